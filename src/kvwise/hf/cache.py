@@ -1,0 +1,192 @@
+"""`KVWiseCache`: a transformers `Cache` that evicts (and reports) KV per head."""
+
+from __future__ import annotations
+
+import torch
+from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
+
+from kvwise.hf.attention import use_kvwise_attention
+from kvwise.hf.layer import CompressingLayer
+from kvwise.policies.base import Policy, keep_top_across, keep_top_per_head, split_budget
+from kvwise.policies.registry import make_policy
+from kvwise.policies.scoring_input import ScoringInput
+
+
+def check_ratio(compression_ratio: float) -> float:
+    ratio = float(compression_ratio)
+    if not 0.0 <= ratio < 1.0:
+        raise ValueError(f"compression_ratio must be in [0, 1) (the fraction of KV removed), got {compression_ratio}")
+    return ratio
+
+
+class KVWiseCache(Cache):
+    """A KV cache that compresses at prefill and optionally holds a decode budget.
+
+    Usage, query-aware (the whole prompt is compressed at its prefill):
+
+        cache = KVWiseCache(model, policy="snapkv", compression_ratio=0.9)
+        model.generate(input_ids, cache=cache, max_new_tokens=32)
+
+    Query-agnostic ("compress a document once"): `cache.compress_context(context_ids)`, then
+    `model.generate(context_and_question_ids, cache=cache)`; only the new tokens are computed.
+
+    Args:
+        model: the transformers model the cache serves; it is switched to kvwise attention.
+        policy: a registered policy name, or a `Policy` instance.
+        compression_ratio: fraction of the prefilled context's KV entries removed, in [0, 1).
+            Counted over all full-attention layers and heads together.
+        max_kv_tokens: if set, each head keeps at most this many tokens while generating.
+        tokenizer: needed only by policies that build a prompt of their own (KVzip).
+        policy_kwargs: hyperparameters of the policy's dataclass.
+    """
+
+    def __init__(
+        self,
+        model,
+        policy: str | Policy = "full",
+        compression_ratio: float = 0.0,
+        max_kv_tokens: int | None = None,
+        tokenizer=None,
+        **policy_kwargs,
+    ):
+        self.compression_ratio = check_ratio(compression_ratio)
+        if max_kv_tokens is not None and int(max_kv_tokens) < 1:
+            raise ValueError(f"max_kv_tokens must be a positive integer, got {max_kv_tokens}")
+        self.max_kv_tokens = None if max_kv_tokens is None else int(max_kv_tokens)
+        self.policy = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy
+        self.model = model
+        self.tokenizer = tokenizer
+        self.in_context_pass = False
+        self.compress_on_first_fill = True
+        config = model.config.get_text_config(decoder=True)
+        self.max_positions = getattr(config, "max_position_embeddings", None)
+        layer_types, layer_kwargs = get_layer_types_and_kwargs(config)
+        layers = []
+        for layer_idx, (layer_type, kwargs) in enumerate(zip(layer_types, layer_kwargs)):
+            if layer_type == "full_attention":
+                layers.append(CompressingLayer(layer_idx, self))
+            elif layer_type in DYNAMIC_LAYER_TYPE_MAPPING:
+                # Sliding-window layers keep transformers' own window semantics; budgets apply
+                # to full-attention layers only.
+                layers.append(DYNAMIC_LAYER_TYPE_MAPPING[layer_type](**kwargs))
+            else:
+                raise ValueError(f"layer type {layer_type!r} of layer {layer_idx} is not supported by KVWiseCache")
+        super().__init__(layers=layers)
+        self.compressing_layers = [layer for layer in layers if isinstance(layer, CompressingLayer)]
+        self._layer_rank = {id(layer): rank for rank, layer in enumerate(self.compressing_layers)}
+        use_kvwise_attention(model)
+
+    # ---- decisions the layers ask for -----------------------------------------------------------
+    @property
+    def num_compressing_layers(self) -> int:
+        return len(self.compressing_layers)
+
+    def should_compress(self, layer: CompressingLayer, prefix_len: int) -> bool:
+        """Compress at the first fill of a layer, unless the policy keeps everything or waits for a pass."""
+        return (
+            prefix_len == 0
+            and self.compress_on_first_fill
+            and self.compression_ratio > 0
+            and not self.policy.keeps_everything
+            and not self.policy.needs_context_pass
+        )
+
+    def head_budgets(self, layer: CompressingLayer, valid: torch.Tensor) -> torch.Tensor:
+        """Tokens per head for `layer` at prefill: [batch] int64. The total over layers is exact."""
+        num_valid = valid[:, 0].sum(dim=-1)  # every head sees the same prefill tokens
+        rank, num_layers = self._layer_rank[id(layer)], self.num_compressing_layers
+        weights = [self.policy.layer_budget(index, num_layers, 1.0) for index in range(num_layers)]
+        budgets = []
+        for count in num_valid.tolist():
+            per_head = max(1, round((1.0 - self.compression_ratio) * count))
+            budgets.append(split_budget(per_head * num_layers, weights)[rank])
+        return torch.tensor(budgets, device=valid.device)
+
+    def select_for_layer(self, layer: CompressingLayer, scoring: ScoringInput) -> torch.Tensor:
+        """Keep mask [batch, num_kv_heads, seq_len] for a layer's prefill."""
+        budgets = self.head_budgets(layer, scoring.valid)
+        scoring.budget = int(budgets.max())
+        scope = self.policy.budget_scope
+        if scope == "global":
+            layer.context_scores = self.policy.score(scoring).float()
+            return scoring.valid
+        scores = self.policy.score(scoring)
+        if scope == "layer":
+            total = budgets * scoring.num_kv_heads
+            return keep_top_across(scores, scoring.valid, total, self.policy.head_floor(scoring.budget))
+        return keep_top_per_head(scores, scoring.valid, budgets[:, None].expand(-1, scoring.num_kv_heads))
+
+    def decode_scores(self, scoring: ScoringInput) -> torch.Tensor:
+        scoring.budget = self.max_kv_tokens
+        return self.policy.score(scoring)
+
+    def layer_compressed(self, layer: CompressingLayer) -> None:
+        """Called after each layer's prefill; a global budget is settled after the last layer."""
+        if self.policy.budget_scope == "global" and layer is self.compressing_layers[-1]:
+            self.finalize_global_selection()
+
+    def finalize_global_selection(self) -> None:
+        """Select over every layer and head at once from the scores the layers stashed."""
+        layers = self.compressing_layers
+        if any(layer.context_scores is None for layer in layers):
+            raise RuntimeError("global selection needs scores from every compressing layer")
+        valid = torch.stack([layer.padded()[2] for layer in layers], dim=1)  # [batch, layers, heads, seq]
+        scores = torch.stack([layer.context_scores for layer in layers], dim=1)
+        batch, num_layers, num_heads, seq_len = valid.shape
+        per_head = ((1.0 - self.compression_ratio) * valid[:, 0, 0].sum(dim=-1).float()).round().clamp(min=1)
+        total = per_head.long() * num_layers * num_heads
+        keep = keep_top_across(
+            scores.reshape(batch, num_layers * num_heads, seq_len),
+            valid.reshape(batch, num_layers * num_heads, seq_len),
+            total,
+            self.policy.head_floor(int(per_head.max())),
+        ).view(batch, num_layers, num_heads, seq_len)
+        for index, layer in enumerate(layers):
+            layer.apply_keep(keep[:, index])
+            layer.context_scores = None
+
+    # ---- the query-agnostic API -----------------------------------------------------------------
+    @torch.no_grad()
+    def compress_context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
+        """Prefill `input_ids` [batch, seq_len] into this empty cache and compress it.
+
+        No question is seen: this is query-agnostic compression ("compress once, ask many").
+        Continue with `model.generate(torch.cat([input_ids, question_ids], 1), cache=cache)`.
+        """
+        if self.get_seq_length() > 0:
+            raise ValueError("compress_context needs an empty cache; call cache.reset() first")
+        self.check_length(input_ids.shape[1])
+        self.model(input_ids=input_ids, attention_mask=attention_mask, cache=self, use_cache=True, logits_to_keep=1)
+        if self.policy.needs_context_pass and self.compression_ratio > 0:
+            self.in_context_pass = True
+            try:
+                pass_ids, pass_mask = self.policy.context_pass_inputs(input_ids, attention_mask, self.tokenizer)
+                self.model(input_ids=pass_ids, attention_mask=pass_mask, cache=self, use_cache=True, logits_to_keep=1)
+            finally:
+                self.in_context_pass = False
+            self.finalize_global_selection()
+
+    def check_length(self, num_tokens: int) -> None:
+        if self.max_positions is not None and num_tokens > self.max_positions:
+            raise ValueError(
+                f"the context has {num_tokens} tokens but the model's maximum is {self.max_positions}"
+            )
+
+    # ---- reports ---------------------------------------------------------------------------------
+    def nbytes(self) -> int:
+        """Bytes the cache's tensors really hold, over every layer."""
+        total = 0
+        for layer in self.layers:
+            if isinstance(layer, CompressingLayer):
+                total += layer.nbytes()
+            elif getattr(layer, "is_initialized", False):
+                total += layer.keys.nbytes + layer.values.nbytes
+        return total
+
+    def kept_tokens(self) -> dict[int, torch.Tensor]:
+        """Kept tokens per head for each full-attention layer: layer_idx -> [batch, num_kv_heads]."""
+        return {layer.layer_idx: layer.kept_tokens() for layer in self.compressing_layers if layer.is_initialized}
+
+    def bytes_read_last_step(self) -> int:
+        """KV bytes the last forward read from the full-attention layers (Quest reads fewer)."""
+        return sum(layer.bytes_read_last_step for layer in self.compressing_layers)

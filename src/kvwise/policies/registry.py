@@ -1,0 +1,52 @@
+"""Policies by name. Each policy module registers its class with `@register`."""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+from kvwise.policies.base import Policy
+
+_POLICY_MODULES = (
+    "full", "random_policy", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "knorm",
+    "expected_attention", "scissorhands", "keydiff", "kvzip", "quest",
+)
+_REGISTRY: dict[str, type[Policy]] = {}
+
+
+def register(cls: type[Policy]) -> type[Policy]:
+    """Class decorator: make `cls` available as `cls.name`."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} has no name")
+    _REGISTRY[cls.name] = cls
+    return cls
+
+
+def _load_builtin_policies() -> None:
+    for module in _POLICY_MODULES:
+        importlib.import_module(f"kvwise.policies.{module}")
+
+
+def policy_classes() -> dict[str, type[Policy]]:
+    """Every registered policy, by name, in registration order."""
+    _load_builtin_policies()
+    return dict(_REGISTRY)
+
+
+def policy_names() -> list[str]:
+    return list(policy_classes())
+
+
+def make_policy(name: str, **kwargs) -> Policy:
+    """Build a policy from its name and hyperparameters, with clear errors for bad input."""
+    classes = policy_classes()
+    if name not in classes:
+        raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(classes)}")
+    cls = classes[name]
+    fields = {field.name for field in dataclasses.fields(cls)}
+    unknown = sorted(set(kwargs) - fields)
+    if unknown:
+        raise ValueError(
+            f"policy {name!r} has no option {', '.join(unknown)}; its options are: {', '.join(sorted(fields)) or 'none'}"
+        )
+    return cls(**kwargs)

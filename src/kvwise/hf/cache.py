@@ -7,6 +7,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 
 from kvwise.hf.attention import use_kvwise_attention
 from kvwise.hf.layer import CompressingLayer
+from kvwise.hf.rope import query_rotator
 from kvwise.policies.base import Policy, keep_top_across, keep_top_per_head, split_budget
 from kvwise.policies.registry import make_policy
 from kvwise.policies.scoring_input import ScoringInput
@@ -57,6 +58,7 @@ class KVWiseCache(Cache):
         self.model = model
         self.tokenizer = tokenizer
         self.in_context_pass = False
+        self.rotate_queries = query_rotator(model)
         self.compress_on_first_fill = True
         config = model.config.get_text_config(decoder=True)
         self.max_positions = getattr(config, "max_position_embeddings", None)

@@ -223,6 +223,7 @@ class CompressingLayer(CacheLayerMixin):
         scoring = ScoringInput(
             keys=step.keys, values=step.values, valid=step.valid, positions=step.positions, queries=query,
             scaling=scaling, layer_idx=self.layer_idx, num_layers=owner.num_compressing_layers, stats=step.stats,
+            rotate_queries=owner.rotate_queries,
         )
         if owner.in_context_pass:
             # KVzip's reconstruction pass: score the context, keep none of the repeated tokens.

@@ -1,11 +1,20 @@
 """`kvzip`: query-agnostic importance by context reconstruction.
 
 Paper: Kim et al., "KVzip: Query-Agnostic KV Cache Compression with Context Reconstruction",
-arXiv 2505.23416. After the context is prefilled, the model reads "repeat the previous context"
-followed by the context once more. A cached token's score is the largest attention any
-reconstruction query (of its GQA group) pays it. One threshold over every layer and head then
-keeps the top tokens, so heads that copy keep many tokens and idle heads keep few; the storage
-is variable-length, so that memory is really freed (kvpress only masks). Costs one extra pass.
+arXiv 2505.23416. A cached token's score is the largest attention that a query reconstructing
+the context pays it (over the query heads of its GQA group). One threshold over every layer and
+head then keeps the top tokens, so copying heads keep many tokens and idle heads few; storage is
+variable-length, so that memory is really freed (kvpress only masks).
+
+Two ways to get the reconstruction queries:
+- `reconstruction="pass"` (the paper): after the prefill, the model reads "repeat the previous
+  context" and the context again. It costs one more pass over the context and only works
+  through `KVWiseCache.compress_context`.
+- `reconstruction="self"` (default, our cheaper variant): a token re-read during reconstruction
+  sees the same preceding text as at its first reading, so its query is close to the prefill's
+  query for that token, moved later by the length of the context. We reuse the prefill queries,
+  rotated by that offset (RoPE composes), and let them see the whole context (no causal mask),
+  as reconstruction queries would. No extra forward pass; it also works inside `generate`.
 """
 
 from dataclasses import dataclass
@@ -23,10 +32,21 @@ class KVzipPolicy(Policy):
     summary = "context-reconstruction attention, one budget over all heads and layers"
     paper = "https://arxiv.org/abs/2505.23416"
     budget_scope = "global"
-    needs_context_pass = True
+    reconstruction: str = "self"
     repeat_prompt: str = "\n\nRepeat the previous context exactly.\n\n"
     num_sinks: int = 4
-    chunk_size: int = 256
+    query_stride: int = 1  # score every n-th reconstruction query (1 = all)
+    chunk_size: int = 128
+
+    def __post_init__(self):
+        if self.reconstruction not in ("self", "pass"):
+            raise ValueError(f"reconstruction must be 'self' or 'pass', got {self.reconstruction!r}")
+        if self.query_stride < 1 or self.chunk_size < 1:
+            raise ValueError("query_stride and chunk_size must be >= 1")
+
+    @property
+    def needs_context_pass(self) -> bool:
+        return self.reconstruction == "pass"
 
     def context_pass_inputs(self, input_ids, attention_mask, tokenizer):
         """The reconstruction pass: [repeat prompt, context]; its mask covers the cached context too."""
@@ -41,15 +61,33 @@ class KVzipPolicy(Policy):
         ones = torch.ones_like(prompt, dtype=attention_mask.dtype)
         return pass_ids, torch.cat([attention_mask, ones, attention_mask], dim=1)
 
-    def score_reconstruction(self, scoring):
-        """Max attention from reconstruction queries: [batch, num_kv_heads, seq_len] float32."""
+    def _max_attention(self, scoring, queries, first_slot, credit_future_only=False) -> torch.Tensor:
         best = torch.zeros(scoring.valid.shape, dtype=torch.float32, device=scoring.keys.device)
-        for start in range(0, scoring.query_len, self.chunk_size):
-            end = min(start + self.chunk_size, scoring.query_len)
-            probs = scoring.attention_probs(start, end)  # [batch, heads, group, rows, seq_len]
+        rows = queries[:, :, :: self.query_stride]
+        slots = torch.arange(scoring.seq_len, device=scoring.keys.device)
+        for start in range(0, rows.shape[2], self.chunk_size):
+            chunk = rows[:, :, start : start + self.chunk_size]
+            chunk_first = None if first_slot is None else first_slot + start * self.query_stride
+            probs = scoring.probs_for(chunk, chunk_first)  # [batch, heads, group, rows, seq_len]
+            if credit_future_only:
+                # Attention a re-read query pays to tokens at or before its own slot would, in a
+                # real reconstruction, go mostly to their re-read copies; credit only later tokens.
+                row_slots = (start + torch.arange(chunk.shape[2], device=slots.device)) * self.query_stride
+                probs = probs * (slots[None, :] > row_slots[:, None])
             best = torch.maximum(best, probs.amax(dim=(2, 3)))
         return best.masked_fill(scoring.sink_mask(self.num_sinks), PROTECTED)
 
+    def score_reconstruction(self, scoring):
+        """Scores from the real reconstruction pass: [batch, num_kv_heads, seq_len] float32."""
+        if self.query_stride > 1:
+            raise ValueError("query_stride applies to reconstruction='self' only")
+        return self._max_attention(scoring, scoring.queries, scoring.seq_len - scoring.query_len)
+
     def score(self, scoring):
-        # Used only for decode-time budgets: the newest query's attention.
-        return scoring.attention_received(last_queries=1, reduce="max")
+        if scoring.query_len < scoring.seq_len:
+            # A decode-time budget: only the newest query is at hand.
+            return scoring.attention_received(last_queries=1, reduce="max")
+        queries = scoring.queries
+        if scoring.rotate_queries is not None:
+            queries = scoring.rotate_queries(queries, scoring.seq_len)
+        return self._max_attention(scoring, queries, None, credit_future_only=True)

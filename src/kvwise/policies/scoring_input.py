@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +35,9 @@ class ScoringInput:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     # Tokens per head this selection keeps (the mean when budgets move between heads/layers).
     budget: int = 0
+    # rotate_queries(queries, delta): move RoPE-rotated queries `delta` positions later; None
+    # when the model's rotary embedding is not the standard rotate-half form.
+    rotate_queries: Callable[[torch.Tensor, int], torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:
@@ -61,18 +65,30 @@ class ScoringInput:
         Returns [batch, num_kv_heads, group_size, query_end - query_start, seq_len] float32. Only the
         requested rows are computed, so callers stream over query chunks and never hold L x L.
         """
-        batch, num_kv_heads, seq_len, head_dim = self.keys.shape
-        queries = self.queries[:, :, query_start:query_end].float()
-        num_rows = queries.shape[2]
-        grouped = queries.view(batch, num_kv_heads, self.group_size, num_rows, head_dim)
-        logits = torch.einsum("bhgqd,bhkd->bhgqk", grouped, self.keys.float()) * self.scaling
+        queries = self.queries[:, :, query_start:query_end]
         # Query row r sits at slot seq_len - query_len + query_start + r; later slots are its future.
-        row_slots = seq_len - self.query_len + query_start + torch.arange(num_rows, device=self.keys.device)
-        causal = torch.arange(seq_len, device=self.keys.device)[None, :] <= row_slots[:, None]
-        allowed = causal[None, None, None] & self.valid[:, :, None, None, :]
-        logits = logits.masked_fill(~allowed, NEG_INF)
+        first_slot = self.seq_len - self.query_len + query_start
+        return self.probs_for(queries, first_slot)
+
+    def probs_for(self, queries: torch.Tensor, first_slot: int | None) -> torch.Tensor:
+        """Softmax attention of `queries` [batch, num_heads, rows, head_dim] over the cache.
+
+        Row r may see slots <= first_slot + r; `first_slot=None` lets every row see every valid
+        slot. Returns [batch, num_kv_heads, group_size, rows, seq_len] float32.
+        """
+        batch, num_kv_heads, seq_len, head_dim = self.keys.shape
+        num_rows = queries.shape[2]
+        grouped = queries.float().reshape(batch, num_kv_heads, self.group_size * num_rows, head_dim)
+        logits = torch.matmul(grouped, self.keys.float().transpose(-1, -2)).mul_(self.scaling)
+        logits = logits.view(batch, num_kv_heads, self.group_size, num_rows, seq_len)
+        allowed = self.valid[:, :, None, None, :]
+        if first_slot is not None:
+            row_slots = first_slot + torch.arange(num_rows, device=self.keys.device)
+            causal = torch.arange(seq_len, device=self.keys.device)[None, :] <= row_slots[:, None]
+            allowed = allowed & causal[None, None, None]
+        logits.masked_fill_(~allowed, NEG_INF)
         probs = torch.softmax(logits, dim=-1)
-        return torch.nan_to_num(probs, nan=0.0)
+        return probs.nan_to_num_(nan=0.0)
 
     def attention_received(
         self, last_queries: int | None = None, reduce: str = "sum", chunk_size: int = 256

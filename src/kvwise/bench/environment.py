@@ -1,0 +1,27 @@
+"""What every benchmark report records about the machine and the software."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import torch
+
+
+def system_info(device: torch.device) -> dict:
+    import transformers
+
+    import kvwise
+
+    if device.type == "cuda":
+        hardware = torch.cuda.get_device_name(device)
+    else:
+        hardware = f"{platform.processor() or platform.machine()} x{os.cpu_count()} cores, {torch.get_num_threads()} threads"
+    return {
+        "kvwise": kvwise.__version__,
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "device": str(device),
+        "hardware": hardware,
+        "python": platform.python_version(),
+    }

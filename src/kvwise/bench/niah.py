@@ -1,0 +1,181 @@
+"""`kvwise bench niah`: needle-in-a-haystack retrieval under KV compression.
+
+The workload is ../docs BENCHMARKS "niah". Each trial is timed end to end (prefill, compression,
+question, 8 greedy tokens). Results stream to `niah.partial.jsonl` so an interrupted run resumes.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvwise.bench.environment import system_info
+from kvwise.bench.haystack import (
+    DEFAULT_ANSWER_PREFIX,
+    DEFAULT_NEEDLE,
+    DEFAULT_QUESTION,
+    NeedlePromptBuilder,
+    read_haystack,
+    trial_grid,
+)
+from kvwise.hf.cache import KVWiseCache, check_ratio
+from kvwise.hf.generation import greedy_continue
+from kvwise.policies.registry import make_policy
+
+NUM_NEW_TOKENS = 8
+
+
+@dataclass
+class NiahConfig:
+    policies: list[str] = field(default_factory=lambda: ["full", "streaming_llm", "snapkv", "kvzip"])
+    ratios: list[float] = field(default_factory=lambda: [0.5, 0.75, 0.9])
+    lengths: list[int] = field(default_factory=lambda: [1000, 2000, 4000])
+    depths: list[float] = field(default_factory=lambda: [0.0, 0.25, 0.5, 0.75, 1.0])
+    trials_per_depth: int = 2
+    mode: str = "agnostic"
+    model: str | None = None
+    seed: int = 0
+    haystack_dir: str | None = None
+    needle: str = DEFAULT_NEEDLE
+    question: str = DEFAULT_QUESTION
+    answer_prefix: str = DEFAULT_ANSWER_PREFIX
+
+    def __post_init__(self):
+        if self.mode not in ("agnostic", "aware"):
+            raise ValueError(f"mode must be 'agnostic' or 'aware', got {self.mode!r}")
+        for name in self.policies:
+            make_policy(name)
+        for ratio in self.ratios:
+            check_ratio(ratio)
+        if any(length < 16 for length in self.lengths):
+            raise ValueError("lengths must be at least 16 tokens")
+        if any(not 0.0 <= depth <= 1.0 for depth in self.depths):
+            raise ValueError("depths must be in [0, 1]")
+        if self.trials_per_depth < 1:
+            raise ValueError("trials-per-depth must be >= 1")
+        if "{key}" not in self.needle:
+            raise ValueError("the needle template must contain {key}")
+
+    def cells(self) -> list[tuple[str, float]]:
+        """(policy, ratio) pairs; `full` runs once, at ratio 0, since it never compresses."""
+        pairs = []
+        for name in self.policies:
+            ratios = [0.0] if make_policy(name).keeps_everything and name == "full" else self.ratios
+            pairs.extend((name, ratio) for ratio in ratios)
+        return pairs
+
+
+def full_kv_bytes(model, num_tokens: int, bytes_per_value: int) -> int:
+    """What an uncompressed cache holds for `num_tokens`: keys and values of every layer."""
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * num_kv_heads * head_dim * num_tokens * bytes_per_value
+
+
+def run_trial(model, tokenizer, prompt, policy: str, ratio: float, mode: str) -> dict:
+    """One trial: compress, ask, decode. Returns the measured fields of a result row."""
+    device = model.device
+    context_ids = prompt.context_ids.to(device)
+    question_ids = prompt.question_ids.to(device)
+    started = time.perf_counter()
+    cache = KVWiseCache(model, policy=policy, compression_ratio=ratio, tokenizer=tokenizer)
+    if mode == "agnostic":
+        compressed_ids, rest_ids = context_ids, question_ids
+    else:
+        whole = torch.cat([context_ids, question_ids], dim=1)
+        compressed_ids, rest_ids = whole[:, :-1], whole[:, -1:]
+    cache.check_length(context_ids.shape[1] + question_ids.shape[1] + NUM_NEW_TOKENS)
+    with torch.no_grad():
+        cache.compress_context(compressed_ids)
+        kv_bytes = cache.nbytes()
+        new_ids = greedy_continue(model, cache, rest_ids, NUM_NEW_TOKENS)
+    seconds = time.perf_counter() - started
+    num_compressed = compressed_ids.shape[1]
+    return {
+        "kv_bytes": kv_bytes,
+        "full_kv_bytes": full_kv_bytes(model, num_compressed, model.dtype.itemsize),
+        "full16_kv_bytes": full_kv_bytes(model, num_compressed, 2),
+        "compressed_tokens": num_compressed,
+        "seconds": seconds,
+        "answer": tokenizer.decode(new_ids[0], skip_special_tokens=True),
+    }
+
+
+def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
+    from kvwise.models import load_model
+
+    model, tokenizer = load_model(config.model)
+    builder = NeedlePromptBuilder(
+        tokenizer, read_haystack(config.haystack_dir), config.needle, config.question, config.answer_prefix
+    )
+    trials = trial_grid(config.lengths, config.depths, config.trials_per_depth, config.seed)
+    prompts = {trial: builder.build(trial) for trial in trials}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    partial_path = out_dir / "niah.partial.jsonl"
+    done = _load_partial(partial_path, config) if resume else {}
+    if not resume and partial_path.exists():
+        partial_path.unlink()
+    work = [(name, ratio, trial) for name, ratio in config.cells() for trial in trials]
+    # Warm-up: the first forward pays one-time costs that would bias the first trial.
+    run_trial(model, tokenizer, prompts[trials[0]], "full", 0.0, config.mode)
+    with partial_path.open("a") as partial, tqdm(total=len(work), desc="niah", unit="trial") as progress:
+        if not done:
+            partial.write(json.dumps({"config": asdict(config)}) + "\n")
+        for name, ratio, trial in work:
+            key = (name, ratio, trial.length, trial.depth, trial.trial)
+            if key not in done:
+                measured = run_trial(model, tokenizer, prompts[trial], name, ratio, config.mode)
+                row = {
+                    "policy": name, "ratio": ratio, "length": trial.length, "depth": trial.depth,
+                    "trial": trial.trial, "key": trial.key, "mode": config.mode,
+                    "correct": str(trial.key) in measured["answer"], **measured,
+                }
+                partial.write(json.dumps(row) + "\n")
+                partial.flush()
+                done[key] = row
+            progress.set_postfix(policy=name, ratio=ratio)
+            progress.update()
+    results = [done[(name, ratio, t.length, t.depth, t.trial)] for name, ratio, t in work]
+    report = {
+        "workload": "niah",
+        "config": asdict(config),
+        "system": system_info(model.device),
+        "results": results,
+    }
+    (out_dir / "niah.json").write_text(json.dumps(report, indent=1))
+    from kvwise.bench.niah_report import write_niah_report
+
+    write_niah_report(report, out_dir)
+    return report
+
+
+def _load_partial(path: Path, config: NiahConfig) -> dict:
+    """Rows of an earlier run with the same configuration, keyed by cell and trial."""
+    if not path.exists():
+        return {}
+    lines = path.read_text().splitlines()
+    if not lines:
+        return {}
+    try:
+        header = json.loads(lines[0])
+    except json.JSONDecodeError:
+        return {}
+    comparable = {k: v for k, v in asdict(config).items() if k not in ("policies", "ratios")}
+    previous = {k: v for k, v in header.get("config", {}).items() if k not in ("policies", "ratios")}
+    if comparable != previous:
+        path.unlink()
+        return {}
+    done = {}
+    for line in lines[1:]:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut short by an interruption
+        done[(row["policy"], row["ratio"], row["length"], row["depth"], row["trial"])] = row
+    return done

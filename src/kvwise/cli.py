@@ -1,0 +1,153 @@
+"""The `kvwise` command line: policies, generate, demo, bench."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def _names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvwise", description="KV-cache management for LLM inference")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    commands.add_parser("policies", help="list the eviction policies")
+
+    generate = commands.add_parser("generate", help="generate with a compressed KV cache")
+    generate.add_argument("--prompt", help="the prompt text")
+    generate.add_argument("--prompt-file", help="read the prompt from this file")
+    generate.add_argument("--policy", default="snapkv")
+    generate.add_argument("--ratio", type=float, default=0.5, help="fraction of the prompt's KV removed, in [0, 1)")
+    generate.add_argument("--max-new-tokens", type=int, default=64)
+    generate.add_argument("--max-kv-tokens", type=int, default=None, help="decode-time budget per head")
+    generate.add_argument("--model", default=None, help="HF hub id or local directory (default: embedded SmolLM2)")
+    generate.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
+
+    demo = commands.add_parser("demo", help="compress a long essay and answer a question about it")
+    demo.add_argument("--policy", default="kvzip")
+    demo.add_argument("--ratio", type=float, default=0.9)
+    demo.add_argument("--model", default=None)
+
+    bench = commands.add_parser("bench", help="benchmarks")
+    workloads = bench.add_subparsers(dest="workload", required=True)
+    niah = workloads.add_parser("niah", help="needle in a haystack under compression")
+    niah.add_argument("--policies", type=_names, default=None)
+    niah.add_argument("--ratios", type=_floats, default=None)
+    niah.add_argument("--lengths", type=_ints, default=None)
+    niah.add_argument("--depths", type=_floats, default=None)
+    niah.add_argument("--trials-per-depth", type=int, default=None)
+    niah.add_argument("--mode", choices=["agnostic", "aware"], default="agnostic")
+    niah.add_argument("--model", default=None)
+    niah.add_argument("--seed", type=int, default=0)
+    niah.add_argument("--out", type=Path, default=Path("results"))
+    niah.add_argument("--quick", action="store_true", help="a small grid: L=1000, 3 depths, 1 trial each")
+    niah.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")
+    niah.add_argument("--haystack-dir", default=None, help="a folder of .txt files to use as the haystack")
+    niah.add_argument("--needle", default=None, help="needle template containing {key}")
+    niah.add_argument("--question", default=None)
+    niah.add_argument("--answer-prefix", default=None)
+    return parser
+
+
+def _read_prompt(args) -> str:
+    if args.prompt_file:
+        try:
+            return Path(args.prompt_file).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as error:
+            raise ValueError(f"cannot read prompt file {args.prompt_file!r}: {error.strerror or error}") from None
+    if args.prompt is None:
+        raise ValueError("give --prompt TEXT or --prompt-file F")
+    return args.prompt
+
+
+def _command_policies(args) -> None:
+    from kvwise.policies.registry import policy_classes
+
+    classes = policy_classes()
+    width = max(map(len, classes))
+    for name, cls in classes.items():
+        print(f"{name:<{width}}  {cls.summary}")
+
+
+def _command_generate(args) -> None:
+    from kvwise.hf.cache import check_ratio
+    from kvwise.policies.registry import make_policy
+
+    check_ratio(args.ratio)
+    make_policy(args.policy)
+    prompt = _read_prompt(args)
+    from kvwise.hf.run import generate_with_report
+
+    report = generate_with_report(
+        prompt, policy=args.policy, ratio=args.ratio, max_new_tokens=args.max_new_tokens,
+        max_kv_tokens=args.max_kv_tokens, model_name=args.model, chat=not args.no_chat_template,
+    )
+    print(report.completion)
+    print(report.summary(), file=sys.stderr)
+
+
+def _command_demo(args) -> None:
+    from kvwise.demo import run_demo
+
+    run_demo(policy=args.policy, ratio=args.ratio, model_name=args.model)
+
+
+def _command_bench(args) -> None:
+    if args.workload == "niah":
+        from kvwise.bench.niah import NiahConfig, run_niah
+
+        config = NiahConfig(mode=args.mode, model=args.model, seed=args.seed)
+        if args.quick:
+            config.lengths, config.depths, config.trials_per_depth = [1000], [0.0, 0.5, 1.0], 1
+        for option in ("policies", "ratios", "lengths", "depths", "trials_per_depth", "haystack_dir", "needle",
+                       "question", "answer_prefix"):
+            value = getattr(args, option)
+            if value is not None:
+                setattr(config, option, value)
+        config.__post_init__()
+        report = run_niah(config, args.out, resume=not args.no_resume)
+        print((args.out / "niah.md").read_text())
+        print(f"wrote {args.out / 'niah.json'} ({len(report['results'])} trials)")
+
+
+_COMMANDS = {
+    "policies": _command_policies,
+    "generate": _command_generate,
+    "demo": _command_demo,
+    "bench": _command_bench,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        _COMMANDS[args.command](args)
+    except ValueError as error:
+        print(f"kvwise: error: {error}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("kvwise: interrupted", file=sys.stderr)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -43,7 +43,9 @@ def test_compressed_answer_matches_full_when_nothing_relevant_is_evicted(llama):
     """Evicting nothing (ratio 0) through the compressing path equals the full cache."""
     ids = random_ids(1, 32)
     full = llama.generate(ids, cache=KVWiseCache(llama, "full"), max_new_tokens=6, do_sample=False)
-    zero = llama.generate(ids, cache=KVWiseCache(llama, "snapkv", compression_ratio=0.0), max_new_tokens=6, do_sample=False)
+    zero = llama.generate(
+        ids, cache=KVWiseCache(llama, "snapkv", compression_ratio=0.0), max_new_tokens=6, do_sample=False
+    )
     assert torch.equal(full, zero)
 
 

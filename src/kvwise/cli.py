@@ -97,8 +97,13 @@ def _command_generate(args) -> None:
     from kvwise.hf.run import generate_with_report
 
     report = generate_with_report(
-        prompt, policy=args.policy, ratio=args.ratio, max_new_tokens=args.max_new_tokens,
-        max_kv_tokens=args.max_kv_tokens, model_name=args.model, chat=not args.no_chat_template,
+        prompt,
+        policy=args.policy,
+        ratio=args.ratio,
+        max_new_tokens=args.max_new_tokens,
+        max_kv_tokens=args.max_kv_tokens,
+        model_name=args.model,
+        chat=not args.no_chat_template,
     )
     print(report.completion)
     print(report.summary(), file=sys.stderr)
@@ -117,8 +122,17 @@ def _command_bench(args) -> None:
         config = NiahConfig(mode=args.mode, model=args.model, seed=args.seed)
         if args.quick:
             config.lengths, config.depths, config.trials_per_depth = [1000], [0.0, 0.5, 1.0], 1
-        for option in ("policies", "ratios", "lengths", "depths", "trials_per_depth", "haystack_dir", "needle",
-                       "question", "answer_prefix"):
+        for option in (
+            "policies",
+            "ratios",
+            "lengths",
+            "depths",
+            "trials_per_depth",
+            "haystack_dir",
+            "needle",
+            "question",
+            "answer_prefix",
+        ):
             value = getattr(args, option)
             if value is not None:
                 setattr(config, option, value)

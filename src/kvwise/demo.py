@@ -16,7 +16,10 @@ def run_demo(policy: str = "kvzip", ratio: float = 0.9, model_name: str | None =
     head = tokenizer.decode(tokenizer(essays, add_special_tokens=False).input_ids[:context_tokens])
     middle = len(head) // 2
     document = head[:middle] + _NEEDLE.format(word="PELICAN") + head[middle:]
-    print(f"model: {model.name_or_path} on {model.device}; document: {context_tokens} essay tokens with a hidden code word")
+    print(
+        f"model: {model.name_or_path} on {model.device}; "
+        f"document: {context_tokens} essay tokens with a hidden code word"
+    )
     print(f"policy: {policy}, compression_ratio: {ratio} (fraction of the KV removed)")
     report = generate_with_report(
         document + _QUESTION, policy=policy, ratio=ratio, max_new_tokens=24, model_and_tokenizer=(model, tokenizer)

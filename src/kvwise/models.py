@@ -38,9 +38,7 @@ def _embedded_gguf_path() -> Path:
     # find_spec locates the wheel without importing it: its __init__ needs the `llm` package.
     spec = importlib.util.find_spec(_EMBEDDED_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ValueError(
-            f"the embedded model {EMBEDDED_MODEL_NAME} is not installed; install it with: {_INSTALL_HINT}"
-        )
+        raise ValueError(f"the embedded model {EMBEDDED_MODEL_NAME} is not installed; install it with: {_INSTALL_HINT}")
     path = Path(next(iter(spec.submodule_search_locations))) / _EMBEDDED_GGUF
     if not path.is_file():
         raise ValueError(f"{path} is missing; reinstall the embedded model with: {_INSTALL_HINT}")

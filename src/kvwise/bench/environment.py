@@ -16,7 +16,9 @@ def system_info(device: torch.device) -> dict:
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
     else:
-        hardware = f"{platform.processor() or platform.machine()} x{os.cpu_count()} cores, {torch.get_num_threads()} threads"
+        hardware = (
+            f"{platform.processor() or platform.machine()} x{os.cpu_count()} cores, {torch.get_num_threads()} threads"
+        )
     return {
         "kvwise": kvwise.__version__,
         "torch": torch.__version__,

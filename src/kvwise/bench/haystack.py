@@ -69,7 +69,6 @@ class NeedlePromptBuilder:
         self.needle, self.question, self.answer_prefix = needle, question, answer_prefix
 
     def build(self, trial: NeedleTrial) -> NeedlePrompt:
-        import torch
 
         if trial.length > len(self.haystack_ids):
             raise ValueError(f"the haystack has {len(self.haystack_ids)} tokens, fewer than length {trial.length}")

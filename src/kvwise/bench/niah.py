@@ -132,9 +132,15 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
             if key not in done:
                 measured = run_trial(model, tokenizer, prompts[trial], name, ratio, config.mode)
                 row = {
-                    "policy": name, "ratio": ratio, "length": trial.length, "depth": trial.depth,
-                    "trial": trial.trial, "key": trial.key, "mode": config.mode,
-                    "correct": str(trial.key) in measured["answer"], **measured,
+                    "policy": name,
+                    "ratio": ratio,
+                    "length": trial.length,
+                    "depth": trial.depth,
+                    "trial": trial.trial,
+                    "key": trial.key,
+                    "mode": config.mode,
+                    "correct": str(trial.key) in measured["answer"],
+                    **measured,
                 }
                 partial.write(json.dumps(row) + "\n")
                 partial.flush()

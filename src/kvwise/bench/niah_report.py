@@ -14,15 +14,17 @@ def summarize(results: list[dict]) -> list[dict]:
         cells[(row["policy"], row["ratio"])].append(row)
     summary = []
     for (policy, ratio), rows in cells.items():
-        summary.append({
-            "policy": policy,
-            "ratio": ratio,
-            "correct": sum(row["correct"] for row in rows),
-            "trials": len(rows),
-            "kv_fraction": mean(row["kv_bytes"] / row["full_kv_bytes"] for row in rows),
-            "kv_bytes": mean(row["kv_bytes"] for row in rows),
-            "seconds": mean(row["seconds"] for row in rows),
-        })
+        summary.append(
+            {
+                "policy": policy,
+                "ratio": ratio,
+                "correct": sum(row["correct"] for row in rows),
+                "trials": len(rows),
+                "kv_fraction": mean(row["kv_bytes"] / row["full_kv_bytes"] for row in rows),
+                "kv_bytes": mean(row["kv_bytes"] for row in rows),
+                "seconds": mean(row["seconds"] for row in rows),
+            }
+        )
     return summary
 
 
@@ -36,7 +38,8 @@ def markdown_table(report: dict) -> str:
     config, system = report["config"], report["system"]
     lines = [
         f"NIAH, mode={config['mode']}, lengths={config['lengths']}, depths={config['depths']}, "
-        f"trials/depth={config['trials_per_depth']}, seed={config['seed']}, model={config['model'] or 'SmolLM2-135M-Instruct'}",
+        f"trials/depth={config['trials_per_depth']}, seed={config['seed']}, "
+        f"model={config['model'] or 'SmolLM2-135M-Instruct'}",
         f"system: kvwise {system['kvwise']}, torch {system['torch']}, transformers {system['transformers']}, "
         f"{system['device']} ({system['hardware']})",
         "",
@@ -77,8 +80,17 @@ def write_niah_report(report: dict, out_dir: Path) -> None:
         depths = sorted({row["depth"] for row in rows})
         figure, axes = plt.subplots(1, len(ratios), figsize=(2.6 * len(ratios) + 1, 3), squeeze=False)
         for axis, ratio in zip(axes[0], ratios):
-            grid = [[mean(r["correct"] for r in rows if r["ratio"] == ratio and r["length"] == length and r["depth"] == depth)
-                     for length in lengths] for depth in depths]
+            grid = [
+                [
+                    mean(
+                        r["correct"]
+                        for r in rows
+                        if r["ratio"] == ratio and r["length"] == length and r["depth"] == depth
+                    )
+                    for length in lengths
+                ]
+                for depth in depths
+            ]
             image = axis.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
             axis.set_title(f"ratio {ratio}")
             axis.set_xticks(range(len(lengths)), [str(length) for length in lengths])
@@ -91,8 +103,11 @@ def write_niah_report(report: dict, out_dir: Path) -> None:
         plt.close(figure)
     figure, axis = plt.subplots(figsize=(7, 4.5))
     for policy in dict.fromkeys(row["policy"] for row in results):
-        points = sorted((row["kv_bytes"] / 1e6, row["correct"] / row["trials"])
-                        for row in summarize(results) if row["policy"] == policy)
+        points = sorted(
+            (row["kv_bytes"] / 1e6, row["correct"] / row["trials"])
+            for row in summarize(results)
+            if row["policy"] == policy
+        )
         axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
     axis.set_xscale("log")
     axis.set_xlabel("KV bytes held after compression (MB, log)")

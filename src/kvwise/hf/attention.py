@@ -73,10 +73,23 @@ def kvwise_attention(
         output = attend(query, key, value, tail_mask, scaling, softcap, is_causal=tail_mask is None and query_len > 1)
     else:
         key, value, prefix_valid = step.layer.keys_for_attention(step, query)
-        mask = grouped_mask(prefix_valid, tail_mask, query_len, query.shape[1] // key.shape[1])
-        output = attend_grouped(query, key, value, mask, scaling, softcap)
+        if bool(prefix_valid.all()):
+            # Every head sees every cached slot: one mask for all heads, and SDPA's GQA path.
+            mask = shared_mask(prefix_valid.shape[-1], tail_mask, query_len, query.device)
+            output = attend(query, key, value, mask, scaling, softcap, is_causal=False)
+        else:
+            mask = grouped_mask(prefix_valid, tail_mask, query_len, query.shape[1] // key.shape[1])
+            output = attend_grouped(query, key, value, mask, scaling, softcap)
     step.layer.after_attention(step, query, new_valid, scaling)
     return output.transpose(1, 2).contiguous(), None
+
+
+def shared_mask(prefix_len: int, tail_mask: torch.Tensor | None, query_len: int, device) -> torch.Tensor:
+    """[batch or 1, 1, query_len, prefix_len + query_len] bool: the whole prefix, then `tail_mask`."""
+    if tail_mask is None:
+        tail_mask = torch.ones(query_len, query_len, dtype=torch.bool, device=device).tril()[None, None]
+    prefix = torch.ones(*tail_mask.shape[:3], prefix_len, dtype=torch.bool, device=device)
+    return torch.cat([prefix, tail_mask], dim=-1)
 
 
 def grouped_mask(
@@ -134,7 +147,7 @@ def attend(
     is_causal: bool,
 ) -> torch.Tensor:
     """SDPA, or explicit math when logits are soft-capped (Gemma 2). Shapes as in `attend_grouped`."""
-    if mask is not None:
+    if mask is not None and query.shape[2] > 1:
         # A row with nothing to attend to (a padding query) would give NaN; let it see everything.
         mask = mask | ~mask.any(dim=-1, keepdim=True)
     group_size = query.shape[1] // key.shape[1]
@@ -148,7 +161,9 @@ def attend(
     logits = torch.matmul(query, key.transpose(-1, -2)) * scaling
     logits = torch.tanh(logits / softcap) * softcap
     if is_causal:
-        mask = torch.ones(logits.shape[-2:], dtype=torch.bool, device=logits.device).tril(logits.shape[-1] - logits.shape[-2])
+        mask = torch.ones(logits.shape[-2:], dtype=torch.bool, device=logits.device).tril(
+            logits.shape[-1] - logits.shape[-2]
+        )
     if mask is not None:
         logits = logits.masked_fill(~mask, float("-inf"))
     probs = torch.softmax(logits.float(), dim=-1).to(value.dtype)

@@ -115,7 +115,9 @@ class KVWiseCache(Cache):
         scores = self.policy.score(scoring)
         if scope == "layer":
             total = budgets * scoring.num_kv_heads
-            return keep_top_across(scores, scoring.valid, total, self.policy.head_floor(scoring.budget))
+            return keep_top_across(
+                scores, scoring.valid, total, self.policy.head_floor(scoring.budget), self.policy.head_ceiling(scoring.budget)
+            )
         return keep_top_per_head(scores, scoring.valid, budgets[:, None].expand(-1, scoring.num_kv_heads))
 
     def decode_scores(self, scoring: ScoringInput) -> torch.Tensor:
@@ -142,6 +144,7 @@ class KVWiseCache(Cache):
             valid.reshape(batch, num_layers * num_heads, seq_len),
             total,
             self.policy.head_floor(int(per_head.max())),
+            self.policy.head_ceiling(int(per_head.max())),
         ).view(batch, num_layers, num_heads, seq_len)
         for index, layer in enumerate(layers):
             layer.apply_keep(keep[:, index])
@@ -170,9 +173,7 @@ class KVWiseCache(Cache):
 
     def check_length(self, num_tokens: int) -> None:
         if self.max_positions is not None and num_tokens > self.max_positions:
-            raise ValueError(
-                f"the context has {num_tokens} tokens but the model's maximum is {self.max_positions}"
-            )
+            raise ValueError(f"the context has {num_tokens} tokens but the model's maximum is {self.max_positions}")
 
     # ---- reports ---------------------------------------------------------------------------------
     def nbytes(self) -> int:

@@ -192,8 +192,13 @@ class CompressingLayer(CacheLayerMixin):
             return
         keys, values, valid = self.padded()
         step = PendingStep(
-            self, keys[indices], values[indices], valid[indices], self._pad_entries(self.positions)[indices],
-            {name: self._pad_entries(stat)[indices] for name, stat in self.stats.items()}, 0,
+            self,
+            keys[indices],
+            values[indices],
+            valid[indices],
+            self._pad_entries(self.positions)[indices],
+            {name: self._pad_entries(stat)[indices] for name, stat in self.stats.items()},
+            0,
         )
         self._commit(step, step.valid)
         self.batch_size = int(indices.shape[0])
@@ -221,8 +226,15 @@ class CompressingLayer(CacheLayerMixin):
         if new_valid is not None:
             step.valid[:, :, step.prefix_len :] &= new_valid[:, None, :]
         scoring = ScoringInput(
-            keys=step.keys, values=step.values, valid=step.valid, positions=step.positions, queries=query,
-            scaling=scaling, layer_idx=self.layer_idx, num_layers=owner.num_compressing_layers, stats=step.stats,
+            keys=step.keys,
+            values=step.values,
+            valid=step.valid,
+            positions=step.positions,
+            queries=query,
+            scaling=scaling,
+            layer_idx=self.layer_idx,
+            num_layers=owner.num_compressing_layers,
+            stats=step.stats,
             rotate_queries=owner.rotate_queries,
         )
         if owner.in_context_pass:
@@ -253,7 +265,12 @@ class CompressingLayer(CacheLayerMixin):
         """Evict from the stored cache. `keep`: [batch, num_kv_heads, max_len] bool over `padded()`."""
         keys, values, valid = self.padded()
         step = PendingStep(
-            self, keys, values, valid, self._pad_entries(self.positions),
-            {name: self._pad_entries(stat) for name, stat in self.stats.items()}, 0,
+            self,
+            keys,
+            values,
+            valid,
+            self._pad_entries(self.positions),
+            {name: self._pad_entries(stat) for name, stat in self.stats.items()},
+            0,
         )
         self._commit(step, keep & valid)

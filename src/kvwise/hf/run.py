@@ -34,7 +34,9 @@ class GenerationReport:
 def encode_prompt(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
     """[1, seq_len] token ids, through the chat template when the tokenizer has one."""
     if chat and tokenizer.chat_template:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
         return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
     return tokenizer(prompt, return_tensors="pt").input_ids
 

@@ -53,6 +53,10 @@ class Policy(ABC):
         """Least tokens any head keeps when budgets move between heads."""
         return 0
 
+    def head_ceiling(self, budget: int) -> int | None:
+        """Most tokens any head keeps when budgets move between heads (None: no limit)."""
+        return None
+
 
 def keep_top_per_head(scores: torch.Tensor, valid: torch.Tensor, budgets: torch.Tensor) -> torch.Tensor:
     """Keep the `budgets[b, h]` best valid tokens of every head.
@@ -73,9 +77,10 @@ def keep_top_per_head(scores: torch.Tensor, valid: torch.Tensor, budgets: torch.
 
 
 def keep_top_across(
-    scores: torch.Tensor, valid: torch.Tensor, total_budget: torch.Tensor, floor: int
+    scores: torch.Tensor, valid: torch.Tensor, total_budget: torch.Tensor, floor: int, ceiling: int | None = None
 ) -> torch.Tensor:
-    """Keep the best tokens over several heads at once (Ada-KV style), at least `floor` per head.
+    """Keep the best tokens over several heads at once (Ada-KV style), between `floor` and
+    `ceiling` per head.
 
     Args:
         scores: [batch, groups, seq_len]; the budget is shared by the `groups` rows of a batch
@@ -84,17 +89,29 @@ def keep_top_across(
         valid: [batch, groups, seq_len] bool.
         total_budget: [batch] int; tokens kept per batch entry over all its rows.
         floor: tokens each row keeps before the rest is shared.
+        ceiling: most tokens one row may keep (None: no limit); what a full row cannot take goes
+            to the next best rows.
     Returns:
-        keep: [batch, groups, seq_len] bool with exactly min(total_budget, valid) True per entry.
+        keep: [batch, groups, seq_len] bool with exactly min(total_budget, valid) True per entry
+        (fewer only when the ceiling leaves no room).
     """
     batch, groups, seq_len = scores.shape
-    floor_budgets = torch.full((batch, groups), floor, device=scores.device)
-    keep = keep_top_per_head(scores, valid, floor_budgets)
-    remaining = (total_budget - keep.sum(dim=(1, 2))).clamp(min=0)
-    rest = scores.float().masked_fill(~valid | keep, float("-inf")).reshape(batch, groups * seq_len)
-    rest_valid = (valid & ~keep).reshape(batch, groups * seq_len)
-    extra = keep_top_per_head(rest[:, None], rest_valid[:, None], remaining[:, None])
-    return keep | extra.view(batch, groups, seq_len)
+    keep = keep_top_per_head(scores, valid, torch.full((batch, groups), floor, device=scores.device))
+    capacity = torch.full((batch, groups), ceiling if ceiling is not None else seq_len, device=scores.device)
+    for _ in range(4 if ceiling is not None else 1):
+        remaining = (total_budget - keep.sum(dim=(1, 2))).clamp(min=0)
+        open_rows = (keep.sum(dim=-1) < capacity)[..., None]
+        candidates = valid & ~keep & open_rows
+        if not bool(candidates.any()) or not bool((remaining > 0).any()):
+            break
+        flat_scores = scores.float().masked_fill(~candidates, float("-inf")).reshape(batch, 1, groups * seq_len)
+        extra = keep_top_per_head(flat_scores, candidates.reshape(batch, 1, groups * seq_len), remaining[:, None])
+        extra = extra.view(batch, groups, seq_len)
+        if ceiling is not None:
+            room = (capacity - keep.sum(dim=-1)).clamp(min=0)
+            extra = keep_top_per_head(scores, extra, room)
+        keep = keep | extra
+    return keep
 
 
 def split_budget(total: int, weights: list[float]) -> list[int]:

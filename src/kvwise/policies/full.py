@@ -16,4 +16,3 @@ class FullPolicy(Policy):
     def score(self, scoring):
         # Under a decode budget the oldest tokens go first, as in a plain sliding window.
         return scoring.positions.float()
-

@@ -23,5 +23,7 @@ class KeyDiffPolicy(Policy):
     def score(self, scoring):
         keys = F.normalize(scoring.keys.float(), dim=-1)
         weights = scoring.valid.float()[..., None]
-        anchor = F.normalize((keys * weights).sum(dim=2, keepdim=True) / weights.sum(dim=2, keepdim=True).clamp(min=1), dim=-1)
+        anchor = F.normalize(
+            (keys * weights).sum(dim=2, keepdim=True) / weights.sum(dim=2, keepdim=True).clamp(min=1), dim=-1
+        )
         return -(keys * anchor).sum(dim=-1)

@@ -7,10 +7,10 @@ head then keeps the top tokens, so copying heads keep many tokens and idle heads
 variable-length, so that memory is really freed (kvpress only masks).
 
 Two ways to get the reconstruction queries:
-- `reconstruction="pass"` (the paper): after the prefill, the model reads "repeat the previous
+- `reconstruction="pass"` (default, the paper): after the prefill, the model reads "repeat the previous
   context" and the context again. It costs one more pass over the context and only works
   through `KVWiseCache.compress_context`.
-- `reconstruction="self"` (default, our cheaper variant): a token re-read during reconstruction
+- `reconstruction="self"` (our cheaper experiment, weaker: see the README): a token re-read during reconstruction
   sees the same preceding text as at its first reading, so its query is close to the prefill's
   query for that token, moved later by the length of the context. We reuse the prefill queries,
   rotated by that offset (RoPE composes), and let them see the whole context (no causal mask),
@@ -32,10 +32,13 @@ class KVzipPolicy(Policy):
     summary = "context-reconstruction attention, one budget over all heads and layers"
     paper = "https://arxiv.org/abs/2505.23416"
     budget_scope = "global"
-    reconstruction: str = "self"
-    repeat_prompt: str = "\n\nRepeat the previous context exactly.\n\n"
+    reconstruction: str = "pass"
+    repeat_prompt: str = "\n\nRepeat the previous context exactly."
     num_sinks: int = 4
     query_stride: int = 1  # score every n-th reconstruction query (1 = all)
+    max_head_share: float = 0.0  # a head keeps at most this many times the mean budget (0 = no cap)
+    pool_kernel: int = 1  # max-pool scores over this many neighbouring tokens (odd; 1 = off)
+    credit: str = "all"  # self mode: which slots a query's attention credits (all, future, past)
     chunk_size: int = 128
 
     def __post_init__(self):
@@ -44,22 +47,36 @@ class KVzipPolicy(Policy):
         if self.query_stride < 1 or self.chunk_size < 1:
             raise ValueError("query_stride and chunk_size must be >= 1")
 
+    def head_ceiling(self, budget):
+        return None if self.max_head_share <= 0 else max(1, int(self.max_head_share * budget))
+
     @property
     def needs_context_pass(self) -> bool:
         return self.reconstruction == "pass"
 
     def context_pass_inputs(self, input_ids, attention_mask, tokenizer):
-        """The reconstruction pass: [repeat prompt, context]; its mask covers the cached context too."""
+        """The reconstruction pass: [repeat prompt, end of user turn, context again].
+
+        With a chat tokenizer the prompt closes the user turn and opens the assistant's, so the
+        model is answering "repeat the context" (as kvpress does); a chat head at the start of
+        `input_ids` (the system prompt) is not re-read. The returned mask also covers the cached
+        context. Returns (pass_ids [batch, n], pass_mask [batch, cached + n] or None).
+        """
         batch = input_ids.shape[0]
+        head_ids, suffix_text = [], "\n"
+        if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+            head_ids, suffix_text = _chat_head_and_suffix(tokenizer)
         prompt_ids = []
         if tokenizer is not None:
-            prompt_ids = tokenizer(self.repeat_prompt, add_special_tokens=False).input_ids
+            prompt_ids = tokenizer(self.repeat_prompt + suffix_text, add_special_tokens=False).input_ids
+        start = len(head_ids) if head_ids and input_ids[0, : len(head_ids)].tolist() == head_ids else 0
+        self.reread_start = start
         prompt = torch.tensor(prompt_ids, dtype=input_ids.dtype, device=input_ids.device).expand(batch, -1)
-        pass_ids = torch.cat([prompt, input_ids], dim=1)
+        pass_ids = torch.cat([prompt, input_ids[:, start:]], dim=1)
         if attention_mask is None:
             return pass_ids, None
         ones = torch.ones_like(prompt, dtype=attention_mask.dtype)
-        return pass_ids, torch.cat([attention_mask, ones, attention_mask], dim=1)
+        return pass_ids, torch.cat([attention_mask, ones, attention_mask[:, start:]], dim=1)
 
     def _max_attention(self, scoring, queries, first_slot, credit_future_only=False) -> torch.Tensor:
         best = torch.zeros(scoring.valid.shape, dtype=torch.float32, device=scoring.keys.device)
@@ -67,21 +84,33 @@ class KVzipPolicy(Policy):
         slots = torch.arange(scoring.seq_len, device=scoring.keys.device)
         for start in range(0, rows.shape[2], self.chunk_size):
             chunk = rows[:, :, start : start + self.chunk_size]
-            chunk_first = None if first_slot is None else first_slot + start * self.query_stride
+            row_slots = (start + torch.arange(chunk.shape[2], device=slots.device)) * self.query_stride
+            chunk_first = None if first_slot is None else first_slot + row_slots
             probs = scoring.probs_for(chunk, chunk_first)  # [batch, heads, group, rows, seq_len]
-            if credit_future_only:
-                # Attention a re-read query pays to tokens at or before its own slot would, in a
-                # real reconstruction, go mostly to their re-read copies; credit only later tokens.
-                row_slots = (start + torch.arange(chunk.shape[2], device=slots.device)) * self.query_stride
-                probs = probs * (slots[None, :] > row_slots[:, None])
+            if credit_future_only and self.credit != "all":
+                if self.credit == "future":
+                    probs = probs * (slots[None, :] > row_slots[:, None])
+                else:
+                    probs = probs * (slots[None, :] <= row_slots[:, None])
             best = torch.maximum(best, probs.amax(dim=(2, 3)))
+        if self.pool_kernel > 1:
+            # Keep the neighbours of strong tokens with them: a needle is a phrase, not a token.
+            batch, heads, seq_len = best.shape
+            best = torch.nn.functional.max_pool1d(
+                best.view(batch * heads, 1, seq_len), self.pool_kernel, stride=1, padding=self.pool_kernel // 2
+            ).view(batch, heads, seq_len)
         return best.masked_fill(scoring.sink_mask(self.num_sinks), PROTECTED)
 
     def score_reconstruction(self, scoring):
-        """Scores from the real reconstruction pass: [batch, num_kv_heads, seq_len] float32."""
-        if self.query_stride > 1:
-            raise ValueError("query_stride applies to reconstruction='self' only")
-        return self._max_attention(scoring, scoring.queries, scoring.seq_len - scoring.query_len)
+        """Scores from the real reconstruction pass: [batch, num_kv_heads, seq_len] float32.
+
+        Only re-read tokens earn credit. The chat head before the context (the system prompt) is
+        not re-read; its tokens draw sink-like attention from every head and would otherwise
+        fill most of a small budget. The first `num_sinks` tokens stay protected.
+        """
+        scores = self._max_attention(scoring, scoring.queries, scoring.seq_len - scoring.query_len)
+        not_reread = torch.arange(scoring.seq_len, device=scores.device) < getattr(self, "reread_start", 0)
+        return scores.masked_fill(not_reread & ~scoring.sink_mask(self.num_sinks), 0.0)
 
     def score(self, scoring):
         if scoring.query_len < scoring.seq_len:
@@ -91,3 +120,13 @@ class KVzipPolicy(Policy):
         if scoring.rotate_queries is not None:
             queries = scoring.rotate_queries(queries, scoring.seq_len)
         return self._max_attention(scoring, queries, None, credit_future_only=True)
+
+
+def _chat_head_and_suffix(tokenizer) -> tuple[list[int], str]:
+    """Token ids of the chat template before a user message, and its text after the message."""
+    marker = "\u2063kvwise-context\u2063"
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": marker}], tokenize=False, add_generation_prompt=True
+    )
+    head, suffix = text.split(marker)
+    return tokenizer(head, add_special_tokens=False).input_ids, suffix

@@ -63,7 +63,9 @@ class QuestPolicy(Policy):
         pages = bound.topk(num_selected, dim=-1).indices.sort(dim=-1).values
         slots = (pages[..., None] * self.page_size + torch.arange(self.page_size, device=pages.device)).flatten(2)
         slots = slots.clamp(max=prefix_len - 1)
-        in_range = (pages[..., None] * self.page_size + torch.arange(self.page_size, device=pages.device)).flatten(2) < prefix_len
+        in_range = (pages[..., None] * self.page_size + torch.arange(self.page_size, device=pages.device)).flatten(
+            2
+        ) < prefix_len
         gather = slots[..., None].expand(-1, -1, -1, head_dim)
         new_keys, new_values = step.keys[:, :, prefix_len:], step.values[:, :, prefix_len:]
         selected_keys = torch.cat([step.keys.gather(2, gather), new_keys], dim=2)

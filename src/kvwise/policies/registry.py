@@ -8,8 +8,20 @@ import importlib
 from kvwise.policies.base import Policy
 
 _POLICY_MODULES = (
-    "full", "random_policy", "streaming_llm", "h2o", "tova", "snapkv", "pyramidkv", "adakv", "knorm",
-    "expected_attention", "scissorhands", "keydiff", "kvzip", "quest",
+    "full",
+    "random_policy",
+    "streaming_llm",
+    "h2o",
+    "tova",
+    "snapkv",
+    "pyramidkv",
+    "adakv",
+    "knorm",
+    "expected_attention",
+    "scissorhands",
+    "keydiff",
+    "kvzip",
+    "quest",
 )
 _REGISTRY: dict[str, type[Policy]] = {}
 
@@ -46,7 +58,6 @@ def make_policy(name: str, **kwargs) -> Policy:
     fields = {field.name for field in dataclasses.fields(cls)}
     unknown = sorted(set(kwargs) - fields)
     if unknown:
-        raise ValueError(
-            f"policy {name!r} has no option {', '.join(unknown)}; its options are: {', '.join(sorted(fields)) or 'none'}"
-        )
+        options = ", ".join(sorted(fields)) or "none"
+        raise ValueError(f"policy {name!r} has no option {', '.join(unknown)}; its options are: {options}")
     return cls(**kwargs)

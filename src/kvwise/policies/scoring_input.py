@@ -70,11 +70,12 @@ class ScoringInput:
         first_slot = self.seq_len - self.query_len + query_start
         return self.probs_for(queries, first_slot)
 
-    def probs_for(self, queries: torch.Tensor, first_slot: int | None) -> torch.Tensor:
+    def probs_for(self, queries: torch.Tensor, first_slot: int | torch.Tensor | None) -> torch.Tensor:
         """Softmax attention of `queries` [batch, num_heads, rows, head_dim] over the cache.
 
-        Row r may see slots <= first_slot + r; `first_slot=None` lets every row see every valid
-        slot. Returns [batch, num_kv_heads, group_size, rows, seq_len] float32.
+        Row r may see slots <= first_slot + r (or <= first_slot[r] for a [rows] tensor);
+        `first_slot=None` lets every row see every valid slot.
+        Returns [batch, num_kv_heads, group_size, rows, seq_len] float32.
         """
         batch, num_kv_heads, seq_len, head_dim = self.keys.shape
         num_rows = queries.shape[2]
@@ -83,7 +84,9 @@ class ScoringInput:
         logits = logits.view(batch, num_kv_heads, self.group_size, num_rows, seq_len)
         allowed = self.valid[:, :, None, None, :]
         if first_slot is not None:
-            row_slots = first_slot + torch.arange(num_rows, device=self.keys.device)
+            row_slots = first_slot
+            if not isinstance(first_slot, torch.Tensor):
+                row_slots = first_slot + torch.arange(num_rows, device=self.keys.device)
             causal = torch.arange(seq_len, device=self.keys.device)[None, :] <= row_slots[:, None]
             allowed = allowed & causal[None, None, None]
         logits.masked_fill_(~allowed, NEG_INF)

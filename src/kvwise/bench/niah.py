@@ -116,6 +116,8 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
     )
     trials = trial_grid(config.lengths, config.depths, config.trials_per_depth, config.seed)
     prompts = {trial: builder.build(trial) for trial in trials}
+    longest = max(p.context_ids.shape[1] + p.question_ids.shape[1] for p in prompts.values()) + NUM_NEW_TOKENS
+    KVWiseCache(model).check_length(longest)  # fail before any trial runs, naming the maximum
     out_dir.mkdir(parents=True, exist_ok=True)
     partial_path = out_dir / "niah.partial.jsonl"
     done = _load_partial(partial_path, config) if resume else {}

@@ -8,7 +8,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 from kvwise.hf.attention import use_kvwise_attention
 from kvwise.hf.layer import CompressingLayer
 from kvwise.hf.rope import query_rotator
-from kvwise.policies.base import Policy, keep_top_across, keep_top_per_head, split_budget
+from kvwise.policies.base import PROTECTED, Policy, keep_top_across, keep_top_per_head, split_budget
 from kvwise.policies.registry import make_policy
 from kvwise.policies.scoring_input import ScoringInput
 
@@ -139,6 +139,9 @@ class KVWiseCache(Cache):
         batch, num_layers, num_heads, seq_len = valid.shape
         per_head = ((1.0 - self.compression_ratio) * valid[:, 0, 0].sum(dim=-1).float()).round().clamp(min=1)
         total = per_head.long() * num_layers * num_heads
+        shared_fraction = getattr(self.policy, "shared_fraction", 0.0)
+        if shared_fraction > 0:
+            scores = with_shared_tokens(scores, valid, (shared_fraction * per_head).round().long())
         keep = keep_top_across(
             scores.reshape(batch, num_layers * num_heads, seq_len),
             valid.reshape(batch, num_layers * num_heads, seq_len),
@@ -155,8 +158,10 @@ class KVWiseCache(Cache):
     def compress_context(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> None:
         """Prefill `input_ids` [batch, seq_len] into this empty cache and compress it.
 
-        No question is seen: this is query-agnostic compression ("compress once, ask many").
-        Continue with `model.generate(torch.cat([input_ids, question_ids], 1), cache=cache)`.
+        Given a context alone, this is query-agnostic compression ("compress once, ask many");
+        continue with `model.generate(torch.cat([input_ids, question_ids], 1), cache=cache)`.
+        Given a whole prompt but its last token, it is query-aware compression for policies such
+        as KVzip that need a pass of their own. `attention_mask` [batch, seq_len] marks left padding.
         """
         if self.get_seq_length() > 0:
             raise ValueError("compress_context needs an empty cache; call cache.reset() first")
@@ -193,3 +198,23 @@ class KVWiseCache(Cache):
     def bytes_read_last_step(self) -> int:
         """KV bytes the last forward read from the full-attention layers (Quest reads fewer)."""
         return sum(layer.bytes_read_last_step for layer in self.compressing_layers)
+
+
+def with_shared_tokens(scores: torch.Tensor, valid: torch.Tensor, num_shared: torch.Tensor) -> torch.Tensor:
+    """Protect, in every head of every layer, the tokens most heads rate highly.
+
+    Each head's scores are scaled by its own maximum (sinks aside), averaged over all heads, and the
+    `num_shared[b]` best tokens are protected everywhere; the rest of the budget stays global.
+
+    Args:
+        scores: [batch, num_layers, num_heads, seq_len]; PROTECTED marks tokens that must stay.
+        valid: [batch, num_layers, num_heads, seq_len] bool.
+        num_shared: [batch] int.
+    """
+    protected = scores >= PROTECTED / 2
+    plain = scores.masked_fill(protected | ~valid, 0.0)
+    normalized = plain / plain.amax(dim=-1, keepdim=True).clamp(min=1e-9)
+    consensus = normalized.mean(dim=(1, 2))  # [batch, seq_len]
+    everywhere = valid.all(dim=(1, 2))
+    chosen = keep_top_per_head(consensus[:, None], everywhere[:, None], num_shared[:, None])[:, 0]
+    return scores.masked_fill(chosen[:, None, None, :] & valid, PROTECTED)

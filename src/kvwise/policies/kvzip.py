@@ -36,6 +36,7 @@ class KVzipPolicy(Policy):
     repeat_prompt: str = "\n\nRepeat the previous context exactly."
     num_sinks: int = 4
     query_stride: int = 1  # score every n-th reconstruction query (1 = all)
+    shared_fraction: float = 0.0  # share of the budget kept as the same tokens in every head
     max_head_share: float = 0.0  # a head keeps at most this many times the mean budget (0 = no cap)
     pool_kernel: int = 1  # max-pool scores over this many neighbouring tokens (odd; 1 = off)
     credit: str = "all"  # self mode: which slots a query's attention credits (all, future, past)

@@ -1,0 +1,67 @@
+"""A few checks on the real embedded model (SmolLM2-135M-Instruct)."""
+
+import time
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+import kvwise
+from kvwise.bench.haystack import (
+    DEFAULT_ANSWER_PREFIX,
+    DEFAULT_NEEDLE,
+    DEFAULT_QUESTION,
+    NeedlePromptBuilder,
+    read_haystack,
+    trial_grid,
+)
+from kvwise.bench.niah import run_trial
+
+pytestmark = pytest.mark.smollm
+
+
+def test_reload_is_fast(smollm):
+    started = time.perf_counter()
+    kvwise.load_model()
+    assert time.perf_counter() - started < 3.0
+
+
+def test_full_matches_dynamic_cache_on_smollm(smollm):
+    model, tokenizer = smollm
+    ids = tokenizer("The quick brown fox jumps over the lazy dog. " * 8, return_tensors="pt").input_ids
+    with torch.no_grad():
+        reference = model(ids, cache=DynamicCache(config=model.config), use_cache=True).logits
+        ours = model(ids, cache=kvwise.KVWiseCache(model, "full"), use_cache=True).logits
+    assert torch.allclose(reference, ours, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def needle_prompt(smollm):
+    _, tokenizer = smollm
+    builder = NeedlePromptBuilder(tokenizer, read_haystack(), DEFAULT_NEEDLE, DEFAULT_QUESTION, DEFAULT_ANSWER_PREFIX)
+    trial = trial_grid([1000], [0.5], 1, seed=123)[0]
+    return trial, builder.build(trial)
+
+
+def test_full_cache_finds_the_needle(smollm, needle_prompt):
+    model, tokenizer = smollm
+    trial, prompt = needle_prompt
+    row = run_trial(model, tokenizer, prompt, "full", 0.0, "agnostic")
+    assert str(trial.key) in row["answer"]
+
+
+def test_kvzip_keeps_the_needle_in_a_tenth_of_the_memory(smollm, needle_prompt):
+    model, tokenizer = smollm
+    trial, prompt = needle_prompt
+    row = run_trial(model, tokenizer, prompt, "kvzip", 0.9, "agnostic")
+    assert str(trial.key) in row["answer"]
+    assert row["kv_bytes"] <= 0.11 * row["full_kv_bytes"]
+
+
+def test_cli_generate_reports_bytes(capsys):
+    from kvwise.cli import main
+
+    assert main(["generate", "--prompt", "Name a color.", "--policy", "snapkv", "--ratio", "0.5",
+                 "--max-new-tokens", "4"]) == 0
+    err = capsys.readouterr().err
+    assert "kv_bytes_before=" in err and "kv_bytes_after=" in err

@@ -61,7 +61,9 @@ def test_kvzip_keeps_the_needle_in_a_tenth_of_the_memory(smollm, needle_prompt):
 def test_cli_generate_reports_bytes(capsys):
     from kvwise.cli import main
 
-    assert main(["generate", "--prompt", "Name a color.", "--policy", "snapkv", "--ratio", "0.5",
-                 "--max-new-tokens", "4"]) == 0
+    assert (
+        main(["generate", "--prompt", "Name a color.", "--policy", "snapkv", "--ratio", "0.5", "--max-new-tokens", "4"])
+        == 0
+    )
     err = capsys.readouterr().err
     assert "kv_bytes_before=" in err and "kv_bytes_after=" in err

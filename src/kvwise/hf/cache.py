@@ -116,7 +116,11 @@ class KVWiseCache(Cache):
         if scope == "layer":
             total = budgets * scoring.num_kv_heads
             return keep_top_across(
-                scores, scoring.valid, total, self.policy.head_floor(scoring.budget), self.policy.head_ceiling(scoring.budget)
+                scores,
+                scoring.valid,
+                total,
+                self.policy.head_floor(scoring.budget),
+                self.policy.head_ceiling(scoring.budget),
             )
         return keep_top_per_head(scores, scoring.valid, budgets[:, None].expand(-1, scoring.num_kv_heads))
 

@@ -1,0 +1,44 @@
+"""Budget selection helpers: exact totals, floors, ceilings, shared tokens."""
+
+import torch
+
+from kvwise.hf.cache import with_shared_tokens
+from kvwise.policies.base import PROTECTED, keep_top_across, keep_top_per_head, split_budget
+
+
+def test_keep_top_per_head_respects_validity_and_budget():
+    scores = torch.tensor([[[5.0, 1.0, 3.0, 9.0], [1.0, 2.0, 3.0, 4.0]]])
+    valid = torch.tensor([[[True, True, True, False], [True, True, True, True]]])
+    keep = keep_top_per_head(scores, valid, torch.tensor([[2, 1]]))
+    assert keep.tolist() == [[[True, False, True, False], [False, False, False, True]]]
+
+
+def test_keep_top_across_moves_budget_to_the_best_rows():
+    scores = torch.tensor([[[9.0, 8.0, 7.0, 6.0], [1.0, 0.5, 0.2, 0.1]]])
+    valid = torch.ones_like(scores, dtype=torch.bool)
+    keep = keep_top_across(scores, valid, torch.tensor([4]), floor=1)
+    assert keep.sum(dim=-1).tolist() == [[3, 1]]
+    capped = keep_top_across(scores, valid, torch.tensor([4]), floor=0, ceiling=2)
+    assert capped.sum(dim=-1).tolist() == [[2, 2]]
+
+
+def test_split_budget_is_exact():
+    parts = split_budget(100, [3.0, 2.0, 1.0])
+    assert sum(parts) == 100 and parts[0] > parts[1] > parts[2]
+
+
+def test_shared_tokens_are_protected_in_every_head():
+    # 1 batch, 2 layers, 2 heads, 6 tokens; token 3 is second-best in every head, never first.
+    scores = torch.tensor(
+        [
+            [
+                [[0.1, 0.9, 0.0, 0.5, 0.2, 0.0], [0.0, 0.0, 0.8, 0.6, 0.1, 0.0]],
+                [[0.0, 0.0, 0.0, 0.7, 0.9, 0.1], [0.9, 0.0, 0.0, 0.5, 0.0, 0.3]],
+            ]
+        ]
+    )
+    scores[..., 0] = PROTECTED  # a sink
+    valid = torch.ones_like(scores, dtype=torch.bool)
+    shared = with_shared_tokens(scores, valid, torch.tensor([1]))
+    assert (shared[..., 3] >= PROTECTED).all()
+    assert (shared[..., 1:3] < PROTECTED).all() and (shared[..., 4:] < PROTECTED).all()

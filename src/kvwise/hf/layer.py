@@ -187,18 +187,24 @@ class CompressingLayer(CacheLayerMixin):
         self.stats = {name: stat[keep] for name, stat in step.stats.items()}
         self.lengths = keep.sum(dim=-1)
 
+    def _stored_step(self) -> PendingStep:
+        """The stored tokens in the padded layout, as a step with no new tokens."""
+        keys, values, valid = self.padded()
+        stats = {name: self._pad_entries(stat) for name, stat in self.stats.items()}
+        return PendingStep(self, keys, values, valid, self._pad_entries(self.positions), stats, keys.shape[2])
+
     def _select_batch(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
-        keys, values, valid = self.padded()
+        stored = self._stored_step()
         step = PendingStep(
             self,
-            keys[indices],
-            values[indices],
-            valid[indices],
-            self._pad_entries(self.positions)[indices],
-            {name: self._pad_entries(stat)[indices] for name, stat in self.stats.items()},
-            0,
+            stored.keys[indices],
+            stored.values[indices],
+            stored.valid[indices],
+            stored.positions[indices],
+            {name: stat[indices] for name, stat in stored.stats.items()},
+            stored.prefix_len,
         )
         self._commit(step, step.valid)
         self.batch_size = int(indices.shape[0])
@@ -263,14 +269,5 @@ class CompressingLayer(CacheLayerMixin):
 
     def apply_keep(self, keep: torch.Tensor) -> None:
         """Evict from the stored cache. `keep`: [batch, num_kv_heads, max_len] bool over `padded()`."""
-        keys, values, valid = self.padded()
-        step = PendingStep(
-            self,
-            keys,
-            values,
-            valid,
-            self._pad_entries(self.positions),
-            {name: self._pad_entries(stat) for name, stat in self.stats.items()},
-            0,
-        )
-        self._commit(step, keep & valid)
+        step = self._stored_step()
+        self._commit(step, keep & step.valid)

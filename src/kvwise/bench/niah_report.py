@@ -102,13 +102,16 @@ def write_niah_report(report: dict, out_dir: Path) -> None:
         figure.savefig(out_dir / f"niah_heatmap_{policy}.png", dpi=100)
         plt.close(figure)
     figure, axis = plt.subplots(figsize=(7, 4.5))
-    for policy in dict.fromkeys(row["policy"] for row in results):
+    colors = plt.get_cmap("tab20").colors
+    markers = "os^vD<>ph*"
+    for index, policy in enumerate(dict.fromkeys(row["policy"] for row in results)):
         points = sorted(
             (row["kv_bytes"] / 1e6, row["correct"] / row["trials"])
             for row in summarize(results)
             if row["policy"] == policy
         )
-        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=policy)
+        style = {"color": colors[index % len(colors)], "marker": markers[index % len(markers)]}
+        axis.plot([p[0] for p in points], [p[1] for p in points], label=policy, **style)
     axis.set_xscale("log")
     axis.set_xlabel("KV bytes held after compression (MB, log)")
     axis.set_ylabel("accuracy")

@@ -1,0 +1,48 @@
+"""The NIAH report: Markdown summary and plots from a results list."""
+
+from kvwise.bench.niah_report import markdown_table, summarize, write_niah_report
+
+
+def fake_report():
+    results = []
+    for policy, ratio, seconds in (("full", 0.0, 2.0), ("snapkv", 0.9, 1.0)):
+        for depth, correct in ((0.0, True), (1.0, policy == "full")):
+            results.append(
+                {
+                    "policy": policy,
+                    "ratio": ratio,
+                    "length": 1000,
+                    "depth": depth,
+                    "trial": 0,
+                    "mode": "agnostic",
+                    "correct": correct,
+                    "kv_bytes": 100 if policy == "full" else 10,
+                    "full_kv_bytes": 100,
+                    "full16_kv_bytes": 50,
+                    "seconds": seconds,
+                }
+            )
+    config = {
+        "mode": "agnostic",
+        "lengths": [1000],
+        "depths": [0.0, 1.0],
+        "trials_per_depth": 1,
+        "seed": 0,
+        "model": None,
+    }
+    system = {"kvwise": "0", "torch": "t", "transformers": "x", "device": "cpu", "hardware": "h"}
+    return {"workload": "niah", "config": config, "system": system, "results": results}
+
+
+def test_summary_counts_and_ratios():
+    rows = {(row["policy"], row["ratio"]): row for row in summarize(fake_report()["results"])}
+    assert rows[("snapkv", 0.9)]["correct"] == 1 and rows[("snapkv", 0.9)]["kv_fraction"] == 0.1
+    table = markdown_table(fake_report())
+    assert "| snapkv | 1/2, kv 0.100, 1.00s (0.50x) |" in table
+
+
+def test_report_files_are_written(tmp_path):
+    write_niah_report(fake_report(), tmp_path)
+    assert (tmp_path / "niah.md").exists()
+    assert (tmp_path / "niah_heatmap_snapkv.png").stat().st_size > 0
+    assert (tmp_path / "niah_accuracy_vs_bytes.png").stat().st_size > 0

@@ -23,7 +23,7 @@ from kvwise.bench.haystack import (
     read_haystack,
     trial_grid,
 )
-from kvwise.hf.cache import KVWiseCache, check_ratio
+from kvwise.hf.cache import KVWiseCache, check_ratio, full_kv_bytes
 from kvwise.hf.generation import greedy_continue
 from kvwise.policies.registry import make_policy
 
@@ -68,14 +68,6 @@ class NiahConfig:
             ratios = [0.0] if make_policy(name).keeps_everything and name == "full" else self.ratios
             pairs.extend((name, ratio) for ratio in ratios)
         return pairs
-
-
-def full_kv_bytes(model, num_tokens: int, bytes_per_value: int) -> int:
-    """What an uncompressed cache holds for `num_tokens`: keys and values of every layer."""
-    config = model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * num_kv_heads * head_dim * num_tokens * bytes_per_value
 
 
 def run_trial(model, tokenizer, prompt, policy: str, ratio: float, mode: str) -> dict:

@@ -20,6 +20,14 @@ def check_ratio(compression_ratio: float) -> float:
     return ratio
 
 
+def full_kv_bytes(model, num_tokens: int, bytes_per_value: int) -> int:
+    """What an uncompressed cache holds for `num_tokens`: keys and values of every layer."""
+    config = model.config.get_text_config(decoder=True)
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    return 2 * config.num_hidden_layers * num_kv_heads * head_dim * num_tokens * bytes_per_value
+
+
 class KVWiseCache(Cache):
     """A KV cache that compresses at prefill and optionally holds a decode budget.
 
@@ -143,9 +151,8 @@ class KVWiseCache(Cache):
         batch, num_layers, num_heads, seq_len = valid.shape
         per_head = ((1.0 - self.compression_ratio) * valid[:, 0, 0].sum(dim=-1).float()).round().clamp(min=1)
         total = per_head.long() * num_layers * num_heads
-        shared_fraction = getattr(self.policy, "shared_fraction", 0.0)
-        if shared_fraction > 0:
-            scores = with_shared_tokens(scores, valid, (shared_fraction * per_head).round().long())
+        if self.policy.shared_fraction > 0:
+            scores = with_shared_tokens(scores, valid, (self.policy.shared_fraction * per_head).round().long())
         keep = keep_top_across(
             scores.reshape(batch, num_layers * num_heads, seq_len),
             valid.reshape(batch, num_layers * num_heads, seq_len),

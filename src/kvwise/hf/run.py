@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwise.hf.cache import KVWiseCache
+from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.generation import greedy_continue
 
 
@@ -51,19 +51,20 @@ def generate_with_report(
     chat: bool = True,
     model_and_tokenizer=None,
 ) -> GenerationReport:
-    """Prefill `prompt` uncompressed and compressed, then generate from the compressed cache."""
+    """Prefill `prompt` into a compressing cache, then generate from it.
+
+    "Before" is what an uncompressed cache holds for the same prompt, in the model's dtype.
+    """
     from kvwise.models import load_model
 
     model, tokenizer = model_and_tokenizer or load_model(model_name)
     input_ids = encode_prompt(tokenizer, prompt, chat).to(model.device)
     cache = KVWiseCache(model, policy=policy, compression_ratio=ratio, max_kv_tokens=max_kv_tokens, tokenizer=tokenizer)
     cache.check_length(input_ids.shape[1] + max_new_tokens)
-    full = KVWiseCache(model, policy="full")
     with torch.no_grad():
-        full.compress_context(input_ids[:, :-1])
         cache.compress_context(input_ids[:, :-1])
-        full_bytes, compressed_bytes = full.nbytes(), cache.nbytes()
-        del full
+        full_bytes = full_kv_bytes(model, input_ids.shape[1] - 1, model.dtype.itemsize)
+        compressed_bytes = cache.nbytes()
         new_ids = greedy_continue(model, cache, input_ids[:, -1:], max_new_tokens)
     ids = new_ids[0].tolist()
     if tokenizer.eos_token_id in ids:

@@ -34,6 +34,8 @@ class Policy(ABC):
     needs_context_pass: ClassVar[bool] = False
     # Names of per-token running statistics kept alongside the cache for decode-time eviction.
     stat_names: ClassVar[tuple[str, ...]] = ()
+    # Global scope only: share of the budget kept as the same tokens in every head.
+    shared_fraction: ClassVar[float] = 0.0
     # True for policies that never evict (full, Quest's page selection at decode time).
     keeps_everything: ClassVar[bool] = False
 

@@ -79,7 +79,7 @@ class KVzipPolicy(Policy):
         ones = torch.ones_like(prompt, dtype=attention_mask.dtype)
         return pass_ids, torch.cat([attention_mask, ones, attention_mask[:, start:]], dim=1)
 
-    def _max_attention(self, scoring, queries, first_slot, credit_future_only=False) -> torch.Tensor:
+    def _max_attention(self, scoring, queries, first_slot, simulated=False) -> torch.Tensor:
         best = torch.zeros(scoring.valid.shape, dtype=torch.float32, device=scoring.keys.device)
         rows = queries[:, :, :: self.query_stride]
         slots = torch.arange(scoring.seq_len, device=scoring.keys.device)
@@ -88,7 +88,7 @@ class KVzipPolicy(Policy):
             row_slots = (start + torch.arange(chunk.shape[2], device=slots.device)) * self.query_stride
             chunk_first = None if first_slot is None else first_slot + row_slots
             probs = scoring.probs_for(chunk, chunk_first)  # [batch, heads, group, rows, seq_len]
-            if credit_future_only and self.credit != "all":
+            if simulated and self.credit != "all":
                 if self.credit == "future":
                     probs = probs * (slots[None, :] > row_slots[:, None])
                 else:
@@ -120,7 +120,7 @@ class KVzipPolicy(Policy):
         queries = scoring.queries
         if scoring.rotate_queries is not None:
             queries = scoring.rotate_queries(queries, scoring.seq_len)
-        return self._max_attention(scoring, queries, None, credit_future_only=True)
+        return self._max_attention(scoring, queries, None, simulated=True)
 
 
 def _chat_head_and_suffix(tokenizer) -> tuple[list[int], str]:

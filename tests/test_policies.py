@@ -15,7 +15,9 @@ def layer_tensor_bytes(cache):
     total = 0
     for layer in cache.layers:
         assert isinstance(layer, CompressingLayer)
-        tensors = [layer.keys, layer.values, layer.positions, layer.lengths, *layer.stats.values()]
+        store = layer.store
+        tensors = [store.residual_keys, store.residual_values, store.residual_lengths, store.quantized_lengths]
+        tensors += [layer.positions, *layer.stats.values()]
         total += sum(t.numel() * t.element_size() for t in tensors)
     return total
 
@@ -80,12 +82,12 @@ def test_adakv_frees_memory_per_head():
     for layer in cache.compressing_layers:
         counts = layer.kept_tokens()
         uneven |= bool(counts.min() != counts.max())
-        assert layer.keys.shape == (int(counts.sum()), head_dim)
+        assert layer.store.residual_keys.shape == (int(counts.sum()), head_dim)
         assert int(counts.sum()) == 20 * 2  # the layer's budget, shared by its heads
     assert uneven, "Ada-KV should move budget between heads on a random model"
     # the bytes are those of the kept entries only, not of a padded or masked cache
     entry_bytes = 2 * head_dim * 4 + 4  # key + value float32, int32 position
-    assert cache.nbytes() == 3 * (40 * entry_bytes + 2 * 8)
+    assert cache.nbytes() == 3 * (40 * entry_bytes + 2 * 2 * 8)  # + two [1, 2] int64 length tensors
 
 
 def test_decode_budget_holds_while_generating(llama):

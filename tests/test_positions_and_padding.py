@@ -1,5 +1,6 @@
 """Positions survive eviction; padded batches keep and count no padding."""
 
+import pytest
 import torch
 
 from kvwise import KVWiseCache
@@ -33,7 +34,7 @@ def test_kept_keys_are_the_original_rotated_keys(llama):
         cache = KVWiseCache(llama, "knorm", compression_ratio=0.5)
         cache.compress_context(ids)
     layer = cache.compressing_layers[1]
-    keys = layer.keys.view(1, 2, 20, -1)
+    keys = layer.store.residual_keys.view(1, 2, 20, -1)
     positions = layer.positions.view(1, 2, 20).long()
     expected = reference.layers[1].keys.gather(2, positions[..., None].expand(-1, -1, -1, keys.shape[-1]))
     assert torch.allclose(keys, expected, atol=1e-6)
@@ -60,7 +61,7 @@ def test_left_padded_batch_matches_unpadded_rows(llama):
     # 15 of 30 and 10 of 20 real tokens, plus 4 fed-back tokens; padding neither kept nor counted
     assert kept.tolist() == [[19, 19], [14, 14]]
     layer = cache.compressing_layers[0]
-    assert layer.keys.shape[0] == (19 + 14) * 2
+    assert layer.store.residual_keys.shape[0] == (19 + 14) * 2
     for row, ids in ((0, long_ids), (1, short_ids)):
         single = KVWiseCache(llama, "snapkv", compression_ratio=0.5, window_size=4)
         alone = llama.generate(ids, cache=single, max_new_tokens=5, do_sample=False)
@@ -111,3 +112,20 @@ def test_gemma2_full_matches_dynamic_cache(gemma2):
         our_next = gemma2(random_ids(1, 2, seed=3), cache=cache, use_cache=True)
     assert torch.allclose(reference.logits, ours.logits, atol=1e-4)
     assert torch.allclose(ref_next.logits, our_next.logits, atol=1e-4)
+
+
+@pytest.mark.parametrize("policy", ["h2o", "scissorhands", "tova", "streaming_llm", "keydiff"])
+def test_each_batch_row_keeps_what_it_would_alone(llama, policy):
+    # Budget-derived windows (H2O's recent half) and attention sums must be per row: a padded
+    # row once borrowed the longest row's window, and padding queries voted for tokens.
+    short, long = random_ids(1, 30, seed=4), random_ids(1, 45, seed=5)
+    batch = torch.cat([torch.cat([torch.zeros(1, 15, dtype=torch.long), short], 1), long])
+    mask = torch.ones_like(batch)
+    mask[0, :15] = 0
+    with torch.no_grad():
+        together = llama.generate(
+            batch, attention_mask=mask, cache=KVWiseCache(llama, policy, 0.5), max_new_tokens=6, do_sample=False
+        )
+        for row, ids in enumerate([short, long]):
+            alone = llama.generate(ids, cache=KVWiseCache(llama, policy, 0.5), max_new_tokens=6, do_sample=False)
+            assert together[row, -6:].tolist() == alone[0, -6:].tolist()

@@ -1,9 +1,18 @@
 """kvwise: KV-cache management for LLM inference (reuse, eviction, compression, tiers)."""
 
 from kvwise.hf.cache import KVWiseCache
+from kvwise.kv.quantizer import make_quantizer, quantizer_names
 from kvwise.models import load_model
 from kvwise.policies.registry import make_policy, policy_names
 
 __version__ = "0.1.0"
 
-__all__ = ["KVWiseCache", "load_model", "make_policy", "policy_names", "__version__"]
+__all__ = [
+    "KVWiseCache",
+    "load_model",
+    "make_policy",
+    "make_quantizer",
+    "policy_names",
+    "quantizer_names",
+    "__version__",
+]

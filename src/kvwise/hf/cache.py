@@ -1,4 +1,4 @@
-"""`KVWiseCache`: a transformers `Cache` that evicts (and reports) KV per head."""
+"""`KVWiseCache`: a transformers `Cache` that evicts and quantizes KV per head, and reports it."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_laye
 from kvwise.hf.attention import use_kvwise_attention
 from kvwise.hf.layer import CompressingLayer
 from kvwise.hf.rope import query_rotator
+from kvwise.kv.quantizer import Quantizer, make_quantizer
 from kvwise.policies.base import PROTECTED, Policy, keep_top_across, keep_top_per_head, split_budget
 from kvwise.policies.registry import make_policy
 from kvwise.policies.scoring_input import ScoringInput
@@ -29,7 +30,7 @@ def full_kv_bytes(model, num_tokens: int, bytes_per_value: int) -> int:
 
 
 class KVWiseCache(Cache):
-    """A KV cache that compresses at prefill and optionally holds a decode budget.
+    """A KV cache that compresses at prefill, optionally holds a decode budget, and may quantize.
 
     Usage, query-aware (the whole prompt is compressed at its prefill):
 
@@ -39,6 +40,10 @@ class KVWiseCache(Cache):
     Query-agnostic ("compress a document once"): `cache.compress_context(context_ids)`, then
     `model.generate(context_and_question_ids, cache=cache)`; only the new tokens are computed.
 
+    Evict, then quantize: `KVWiseCache(model, "snapkv", 0.75, quant="kivi4")`. The policy picks
+    the tokens and the quantizer stores them; the newest tokens stay in a full-precision residual
+    window, except after `compress_context`, which quantizes the whole (frozen) context.
+
     Args:
         model: the transformers model the cache serves; it is switched to kvwise attention.
         policy: a registered policy name, or a `Policy` instance.
@@ -46,6 +51,9 @@ class KVWiseCache(Cache):
             Counted over all full-attention layers and heads together.
         max_kv_tokens: if set, each head keeps at most this many tokens while generating.
         tokenizer: needed only by policies that build a prompt of their own (KVzip).
+        quant: a quantizer name ("kivi2", "kivi4", "int8", "fp8"), a `Quantizer` from
+            `kvwise.make_quantizer(name, **options)`, or None for full precision. It applies to
+            full-attention layers; sliding-window layers keep transformers' own window.
         policy_kwargs: hyperparameters of the policy's dataclass.
     """
 
@@ -56,9 +64,12 @@ class KVWiseCache(Cache):
         compression_ratio: float = 0.0,
         max_kv_tokens: int | None = None,
         tokenizer=None,
+        quant: str | Quantizer | None = None,
         **policy_kwargs,
     ):
         self.compression_ratio = check_ratio(compression_ratio)
+        self.quantizer = make_quantizer(quant)
+        self.quantization_deferred = False
         if max_kv_tokens is not None and int(max_kv_tokens) < 1:
             raise ValueError(f"max_kv_tokens must be a positive integer, got {max_kv_tokens}")
         self.max_kv_tokens = None if max_kv_tokens is None else int(max_kv_tokens)
@@ -115,7 +126,7 @@ class KVWiseCache(Cache):
     def select_for_layer(self, layer: CompressingLayer, scoring: ScoringInput) -> torch.Tensor:
         """Keep mask [batch, num_kv_heads, seq_len] for a layer's prefill."""
         budgets = self.head_budgets(layer, scoring.valid)
-        scoring.budget = int(budgets.max())
+        scoring.budget, scoring.row_budgets = int(budgets.max()), budgets
         scope = self.policy.budget_scope
         if scope == "global":
             layer.context_scores = self.policy.score(scoring).float()
@@ -173,19 +184,29 @@ class KVWiseCache(Cache):
         continue with `model.generate(torch.cat([input_ids, question_ids], 1), cache=cache)`.
         Given a whole prompt but its last token, it is query-aware compression for policies such
         as KVzip that need a pass of their own. `attention_mask` [batch, seq_len] marks left padding.
+        With a quantizer, the kept context is quantized whole once the selection is final.
         """
         if self.get_seq_length() > 0:
             raise ValueError("compress_context needs an empty cache; call cache.reset() first")
         self.check_length(input_ids.shape[1])
-        self.model(input_ids=input_ids, attention_mask=attention_mask, cache=self, use_cache=True, logits_to_keep=1)
-        if self.policy.needs_context_pass and self.compression_ratio > 0:
-            self.in_context_pass = True
-            try:
-                pass_ids, pass_mask = self.policy.context_pass_inputs(input_ids, attention_mask, self.tokenizer)
-                self.model(input_ids=pass_ids, attention_mask=pass_mask, cache=self, use_cache=True, logits_to_keep=1)
-            finally:
-                self.in_context_pass = False
-            self.finalize_global_selection()
+        # Evict first, then quantize what is kept: nothing is quantized until the selection is final.
+        self.quantization_deferred = True
+        try:
+            self.model(input_ids=input_ids, attention_mask=attention_mask, cache=self, use_cache=True, logits_to_keep=1)
+            if self.policy.needs_context_pass and self.compression_ratio > 0:
+                self.in_context_pass = True
+                try:
+                    pass_ids, pass_mask = self.policy.context_pass_inputs(input_ids, attention_mask, self.tokenizer)
+                    self.model(
+                        input_ids=pass_ids, attention_mask=pass_mask, cache=self, use_cache=True, logits_to_keep=1
+                    )
+                finally:
+                    self.in_context_pass = False
+                self.finalize_global_selection()
+        finally:
+            self.quantization_deferred = False
+        for layer in self.compressing_layers:
+            layer.flush()
 
     def check_length(self, num_tokens: int) -> None:
         if self.max_positions is not None and num_tokens > self.max_positions:
@@ -205,6 +226,47 @@ class KVWiseCache(Cache):
     def kept_tokens(self) -> dict[int, torch.Tensor]:
         """Kept tokens per head for each full-attention layer: layer_idx -> [batch, num_kv_heads]."""
         return {layer.layer_idx: layer.kept_tokens() for layer in self.compressing_layers if layer.is_initialized}
+
+    def stats(self) -> dict:
+        """Memory and quality signals: bytes, kept and quantized tokens, quantization errors.
+
+        Per full-attention layer: the relative L2 reconstruction error of keys and values over
+        everything quantized so far, and the relative error of the attention output on the most
+        recent step that quantized tokens (see `kvwise.hf.quant_probe`). Totals pool the layers.
+        """
+        layers, tallies = [], []
+        for layer in self.compressing_layers:
+            if not layer.is_initialized:
+                continue
+            store = layer.store
+            key_error, value_error = store.errors.relative()
+            tallies.append(store.errors)
+            layers.append(
+                {
+                    "layer": layer.layer_idx,
+                    "bytes": layer.nbytes(),
+                    "kept_tokens": int(store.lengths.sum()),
+                    "quantized_tokens": int(store.quantized_lengths.sum()),
+                    "residual_tokens": int(store.residual_lengths.sum()),
+                    "key_relative_error": key_error,
+                    "value_relative_error": value_error,
+                    "attention_relative_error": layer.attention_error,
+                }
+            )
+        probes = [entry["attention_relative_error"] for entry in layers]
+        probes = [probe for probe in probes if probe is not None]
+        key_norm = sum(tally.key_norm for tally in tallies)
+        value_norm = sum(tally.value_norm for tally in tallies)
+        return {
+            "policy": self.policy.name,
+            "compression_ratio": self.compression_ratio,
+            "quantizer": None if self.quantizer is None else self.quantizer.name,
+            "bytes": self.nbytes(),
+            "key_relative_error": (sum(t.key_error for t in tallies) / key_norm) ** 0.5 if key_norm else None,
+            "value_relative_error": (sum(t.value_error for t in tallies) / value_norm) ** 0.5 if value_norm else None,
+            "attention_relative_error": sum(probes) / len(probes) if probes else None,
+            "layers": layers,
+        }
 
     def bytes_read_last_step(self) -> int:
         """KV bytes the last forward read from the full-attention layers (Quest reads fewer)."""

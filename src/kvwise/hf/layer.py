@@ -3,9 +3,10 @@
 Storage is flat: every kept token of every (batch entry, KV head) pair, in that order, so heads
 and batch entries may keep different numbers of tokens and the memory really shrinks.
 
-    keys, values: [num_entries, head_dim]
-    positions:    [num_entries] int32, the token's slot in the original sequence
-    lengths:      [batch, num_kv_heads] int64, entries per head; they sum to num_entries
+    store:     a `KVStore` holding keys and values, quantized or not; store.lengths [batch, num_kv_heads]
+    positions: [num_entries] int32, each token's slot in the original sequence, or None while
+               every head holds exactly slots 0..n-1 (nothing evicted, no padding)
+    stats:     name -> [num_entries] float32, per-token statistics of decode-time policies
 
 Each forward goes update() -> kvwise attention -> after_attention(): `update` lays the cache out
 padded per head next to the new tokens, attention reads that layout, and `after_attention` (which
@@ -20,6 +21,9 @@ from typing import TYPE_CHECKING
 import torch
 from transformers.cache_utils import CacheLayerMixin
 
+from kvwise.hf.quant_probe import attention_error_of_spill
+from kvwise.kv import ragged
+from kvwise.kv.store import KVStore
 from kvwise.policies.base import keep_top_per_head
 from kvwise.policies.scoring_input import ScoringInput
 
@@ -57,11 +61,13 @@ class CompressingLayer(CacheLayerMixin):
         self.layer_idx = layer_idx
         self.owner = owner
         self.seen_tokens = 0
-        self.lengths: torch.Tensor | None = None
         self.positions: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
         self.context_scores: torch.Tensor | None = None  # [batch, num_kv_heads, seq_len] from a context pass
         self.bytes_read_last_step = 0
+        self.attention_error: float | None = None  # of the most recent commit that quantized tokens
+        self.store: KVStore | None = None
+        self._probe: tuple[torch.Tensor, float] | None = None
         self._pending: PendingStep | None = None
 
     # ---- CacheLayerMixin -------------------------------------------------------------------
@@ -69,11 +75,15 @@ class CompressingLayer(CacheLayerMixin):
         batch, num_kv_heads, _, head_dim = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch_size, self.num_kv_heads, self.head_dim = batch, num_kv_heads, head_dim
-        self.keys = key_states.new_empty((0, head_dim))
-        self.values = value_states.new_empty((0, value_states.shape[-1]))
-        self.positions = torch.empty(0, dtype=torch.int32, device=self.device)
-        self.lengths = torch.zeros(batch, num_kv_heads, dtype=torch.int64, device=self.device)
+        self.store = KVStore(key_states, value_states, self.owner.quantizer)
+        # None means implicit: every head holds slots 0..n-1, until something is evicted or padded.
+        self.positions = None
         self.is_initialized = True
+
+    @property
+    def lengths(self) -> torch.Tensor | None:
+        """[batch, num_kv_heads] int64: tokens held per head."""
+        return self.store.lengths if self.is_initialized else None
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         """Lay out the cache next to the new tokens for attention; storage changes after attention.
@@ -92,7 +102,7 @@ class CompressingLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         batch, num_kv_heads, query_len, _ = key_states.shape
         prefix_keys, prefix_values, prefix_valid = self.padded()
-        prefix_positions = self._pad_entries(self.positions)
+        prefix_positions = self._padded_positions(prefix_valid)
         new_positions = torch.arange(
             self.seen_tokens, self.seen_tokens + query_len, dtype=torch.int32, device=self.device
         ).expand(batch, num_kv_heads, query_len)
@@ -127,7 +137,7 @@ class CompressingLayer(CacheLayerMixin):
         return -1
 
     def reset(self) -> None:
-        self.keys = self.values = self.positions = self.lengths = None
+        self.store = self.positions = self._probe = self.attention_error = None
         self.stats, self.context_scores, self._pending = {}, None, None
         self.seen_tokens = 0
         self.is_initialized = False
@@ -150,11 +160,12 @@ class CompressingLayer(CacheLayerMixin):
 
     # ---- sizes -------------------------------------------------------------------------------
     def nbytes(self) -> int:
-        """Bytes held by this layer's tensors: keys, values, positions, lengths and statistics."""
+        """Bytes held by this layer's tensors: the KV store (codes, scales, residual, lengths),
+        positions and statistics."""
         if not self.is_initialized:
             return 0
-        tensors = [self.keys, self.values, self.positions, self.lengths, *self.stats.values()]
-        return sum(tensor.nbytes for tensor in tensors)
+        tensors = [*self.stats.values()] + ([] if self.positions is None else [self.positions])
+        return self.store.nbytes() + sum(tensor.nbytes for tensor in tensors)
 
     def kept_tokens(self) -> torch.Tensor:
         """Tokens kept per head: [batch, num_kv_heads] int64."""
@@ -168,45 +179,51 @@ class CompressingLayer(CacheLayerMixin):
 
     def _pad_entries(self, flat: torch.Tensor) -> torch.Tensor:
         """Flat [num_entries, ...] -> padded [batch, num_kv_heads, max_len, ...], zeros in padding."""
-        slot_valid = self._slot_valid()
-        if bool(slot_valid.all()):
-            return flat.view(*slot_valid.shape, *flat.shape[1:])
-        padded = flat.new_zeros(*slot_valid.shape, *flat.shape[1:])
-        padded[slot_valid] = flat
-        return padded
+        return ragged.pad(flat, self.lengths.flatten(), (self.batch_size, self.num_kv_heads))
+
+    def _padded_positions(self, valid: torch.Tensor) -> torch.Tensor:
+        """[batch, num_kv_heads, max_len] int32 original slots of the stored tokens."""
+        if self.positions is None:
+            return torch.arange(valid.shape[-1], dtype=torch.int32, device=self.device).expand(valid.shape)
+        return self._pad_entries(self.positions)
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """keys, values [batch, num_kv_heads, max_len, head_dim] and valid [batch, num_kv_heads, max_len]."""
-        return self._pad_entries(self.keys), self._pad_entries(self.values), self._slot_valid()
+        return self.store.padded()
 
-    def _commit(self, step: PendingStep, keep: torch.Tensor) -> None:
-        """Store the kept slots of `step` flat. `keep`: [batch, num_kv_heads, slots] bool."""
-        self.keys = step.keys[keep]
-        self.values = step.values[keep]
-        self.positions = step.positions[keep].to(torch.int32)
+    def _commit(self, step: PendingStep, keep: torch.Tensor, query: torch.Tensor | None = None, scaling=None) -> None:
+        """Store the kept slots of `step` flat. `keep`: [batch, num_kv_heads, slots] bool.
+
+        `query` [batch, num_heads, query_len, head_dim], when given, probes the attention error
+        of whatever this commit quantized."""
+        if self.positions is not None or not bool(keep.all()):
+            self.positions = step.positions[keep].to(torch.int32)
         self.stats = {name: stat[keep] for name, stat in step.stats.items()}
-        self.lengths = keep.sum(dim=-1)
+        if query is not None and self.store.quantizer is not None:
+            self._probe = (query[:, :, -1:], scaling)  # [batch, num_heads, 1, head_dim]: for a later flush
+        spill = self.store.commit(step.keys, step.values, keep, spill=not self.owner.quantization_deferred)
+        if spill is not None and query is not None:
+            self.attention_error = attention_error_of_spill(
+                step.keys, step.values, keep, spill, query[:, :, -1:], scaling
+            )
 
     def _stored_step(self) -> PendingStep:
         """The stored tokens in the padded layout, as a step with no new tokens."""
         keys, values, valid = self.padded()
         stats = {name: self._pad_entries(stat) for name, stat in self.stats.items()}
-        return PendingStep(self, keys, values, valid, self._pad_entries(self.positions), stats, keys.shape[2])
+        return PendingStep(self, keys, values, valid, self._padded_positions(valid), stats, keys.shape[2])
 
     def _select_batch(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
-        stored = self._stored_step()
-        step = PendingStep(
-            self,
-            stored.keys[indices],
-            stored.values[indices],
-            stored.valid[indices],
-            stored.positions[indices],
-            {name: stat[indices] for name, stat in stored.stats.items()},
-            stored.prefix_len,
-        )
-        self._commit(step, step.valid)
+        heads = (
+            indices.to(self.device)[:, None] * self.num_kv_heads + torch.arange(self.num_kv_heads, device=self.device)
+        ).flatten()
+        counts = self.lengths.flatten()
+        if self.positions is not None:
+            self.positions = ragged.gather_heads(self.positions, counts, heads)[0]
+        self.stats = {name: ragged.gather_heads(stat, counts, heads)[0] for name, stat in self.stats.items()}
+        self.store.select_batch(indices)
         self.batch_size = int(indices.shape[0])
 
     # ---- the step after attention ------------------------------------------------------------
@@ -263,9 +280,19 @@ class CompressingLayer(CacheLayerMixin):
         if owner.max_kv_tokens is not None and bool((keep.sum(dim=-1) > owner.max_kv_tokens).any()):
             budgets = torch.full(keep.shape[:2], owner.max_kv_tokens, device=self.device)
             keep = keep_top_per_head(owner.decode_scores(scoring), keep, budgets)
-        self._commit(step, keep)
+        self._commit(step, keep, query, scaling)
         if compress_now:
             owner.layer_compressed(self)
+
+    def flush(self) -> None:
+        """Quantize every token still at full precision (the end of `compress_context`)."""
+        if not self.is_initialized or self.store.quantizer is None:
+            return
+        keys, values, valid = self.padded()
+        spill = self.store.flush()
+        if spill is not None and self._probe is not None:
+            query, scaling = self._probe
+            self.attention_error = attention_error_of_spill(keys, values, valid, spill, query, scaling)
 
     def apply_keep(self, keep: torch.Tensor) -> None:
         """Evict from the stored cache. `keep`: [batch, num_kv_heads, max_len] bool over `padded()`."""

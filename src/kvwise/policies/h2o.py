@@ -34,5 +34,5 @@ class H2OPolicy(Policy):
         accumulated = scoring.stats.get("accumulated_attention")
         if accumulated is None:
             accumulated = scoring.attention_received()
-        recent = scoring.recent_mask(int(scoring.budget * self.recent_fraction))
+        recent = scoring.recent_mask(scoring.budget_share(self.recent_fraction))
         return accumulated.masked_fill(recent, PROTECTED)

@@ -45,4 +45,4 @@ class ScissorhandsPolicy(Policy):
             counts = self.observe(scoring)["importance_count"]
         # Ties (common with integer counts) fall to the older token.
         scores = counts + scoring.positions.float() / (scoring.positions.max().float() + 1)
-        return scores.masked_fill(scoring.recent_mask(int(scoring.budget * self.recent_fraction)), PROTECTED)
+        return scores.masked_fill(scoring.recent_mask(scoring.budget_share(self.recent_fraction)), PROTECTED)

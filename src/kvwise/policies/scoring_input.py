@@ -35,6 +35,8 @@ class ScoringInput:
     stats: dict[str, torch.Tensor] = field(default_factory=dict)
     # Tokens per head this selection keeps (the mean when budgets move between heads/layers).
     budget: int = 0
+    # The same per batch entry, [batch] int64: rows of a padded batch hold different lengths.
+    row_budgets: torch.Tensor | None = None
     # rotate_queries(queries, delta): move RoPE-rotated queries `delta` positions later; None
     # when the model's rotary embedding is not the standard rotate-half form.
     rotate_queries: Callable[[torch.Tensor, int], torch.Tensor] | None = None
@@ -106,6 +108,9 @@ class ScoringInput:
         for start in range(self.query_len - num_queries, self.query_len, chunk_size):
             end = min(start + chunk_size, self.query_len)
             per_row = self.attention_probs(start, end).mean(dim=2)  # [batch, heads, rows, seq_len]
+            # A padding query attends to nothing real; its row must not vote.
+            first_new = self.seq_len - self.query_len
+            per_row = per_row * self.valid[:, :, first_new + start : first_new + end, None]
             if reduce == "sum":
                 received += per_row.sum(dim=2)
             elif reduce == "max":
@@ -114,8 +119,17 @@ class ScoringInput:
                 raise ValueError(f"unknown reduce {reduce!r}; choose 'sum' or 'max'")
         return received
 
-    def recent_mask(self, window: int) -> torch.Tensor:
-        """True for the last `window` valid tokens of each head: [batch, num_kv_heads, seq_len]."""
+    def budget_share(self, fraction: float) -> torch.Tensor:
+        """`fraction` of each batch entry's budget, in tokens: [batch] int64."""
+        budgets = self.row_budgets if self.row_budgets is not None else torch.tensor([self.budget])
+        return (budgets.float() * fraction).long().to(self.valid.device)
+
+    def recent_mask(self, window: int | torch.Tensor) -> torch.Tensor:
+        """True for the last `window` valid tokens of each head: [batch, num_kv_heads, seq_len].
+
+        `window` is one int, or a [batch] tensor with one per batch entry."""
+        if isinstance(window, torch.Tensor):
+            window = window.view(-1, 1, 1)
         newest_position = self.positions.masked_fill(~self.valid, -1).amax(dim=-1, keepdim=True)
         return self.valid & (self.positions > newest_position - window)
 

@@ -1,0 +1,1 @@
+"""KV tensors: per-head variable-length storage, quantizers with real bit-packing, byte accounting."""

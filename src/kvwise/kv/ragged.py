@@ -1,0 +1,81 @@
+"""Flat per-head ("ragged") tensors: rows of every head, head after head, with a count per head.
+
+kvwise stores what each (batch entry, KV head) keeps as consecutive rows of one flat tensor, so
+heads may hold different numbers of tokens and the memory really shrinks. These helpers move
+such rows around without Python loops over heads.
+
+Throughout, `counts` is a 1-D int64 tensor with one entry per head, in storage order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def starts_of(counts: torch.Tensor) -> torch.Tensor:
+    """Row where each head begins: the exclusive cumulative sum of `counts`."""
+    return torch.cumsum(counts, dim=0) - counts
+
+
+def head_of_rows(counts: torch.Tensor) -> torch.Tensor:
+    """[sum(counts)] int64: the head each row belongs to."""
+    return torch.repeat_interleave(torch.arange(counts.numel(), device=counts.device), counts)
+
+
+def rank_in_head(counts: torch.Tensor) -> torch.Tensor:
+    """[sum(counts)] int64: each row's index within its head."""
+    heads = head_of_rows(counts)
+    return torch.arange(heads.numel(), device=counts.device) - starts_of(counts)[heads]
+
+
+def interleave(first: torch.Tensor, first_counts: torch.Tensor, second: torch.Tensor, second_counts: torch.Tensor):
+    """Per head, the rows of `first` followed by the rows of `second`.
+
+    Args:
+        first: [sum(first_counts), ...]; second: [sum(second_counts), ...] with the same trailing shape.
+    Returns:
+        [sum(first_counts) + sum(second_counts), ...]
+    """
+    if second.shape[0] == 0:
+        return first
+    if first.shape[0] == 0:
+        return second
+    out_starts = starts_of(first_counts + second_counts)
+    first_heads, second_heads = head_of_rows(first_counts), head_of_rows(second_counts)
+    first_dest = out_starts[first_heads] + rank_in_head(first_counts)
+    second_dest = out_starts[second_heads] + first_counts[second_heads] + rank_in_head(second_counts)
+    out = first.new_empty((first.shape[0] + second.shape[0], *first.shape[1:]))
+    out[first_dest] = first
+    out[second_dest] = second
+    return out
+
+
+def gather_heads(flat: torch.Tensor, counts: torch.Tensor, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rows of `heads` (indices into `counts`, repeats allowed), in that order.
+
+    Returns:
+        (rows [sum(counts[heads]), ...], new counts [len(heads)])
+    """
+    new_counts = counts[heads]
+    sources = torch.repeat_interleave(starts_of(counts)[heads], new_counts) + rank_in_head(new_counts)
+    return flat[sources], new_counts
+
+
+def first_rows_mask(counts: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
+    """[sum(counts)] bool: True for the first `take[h]` rows of each head h."""
+    return rank_in_head(counts) < take[head_of_rows(counts)]
+
+
+def pad(flat: torch.Tensor, counts: torch.Tensor, shape: tuple[int, ...], width: int | None = None) -> torch.Tensor:
+    """Flat rows -> padded [*shape, width, ...] with zeros after each head's rows.
+
+    `shape` is the head grid (for example (batch, num_kv_heads)); `counts` has prod(shape) entries.
+    """
+    max_len = int(counts.max()) if counts.numel() else 0
+    width = max_len if width is None else width
+    slot_valid = torch.arange(width, device=counts.device) < counts.view(*shape, 1)
+    if int(counts.sum()) == slot_valid.numel():
+        return flat.view(*shape, width, *flat.shape[1:])
+    padded = flat.new_zeros((*shape, width, *flat.shape[1:]))
+    padded[slot_valid] = flat
+    return padded

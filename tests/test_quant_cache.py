@@ -36,13 +36,16 @@ def test_residual_window_keeps_the_last_tokens_bit_exact(chunk):
     feed(store, keys, values, chunk)
     restored_keys, restored_values, valid = store.padded()
     assert valid.all()
+    assert torch.equal(restored_keys[:, :, :1], keys[:, :, :1])  # the sink stays exact
     residual = store.residual_lengths
     assert ((residual >= R) & (residual < R + G)).all()
-    assert int(store.quantized_lengths[0, 0]) % G == 0  # keys left the window a whole group at a time
+    # keys left the window a whole group at a time; the first token became the head's sink
+    assert (store.sink_lengths == 1).all()
+    assert int(store.sink_lengths[0, 0] + store.quantized_lengths[0, 0]) % G == 0
     tail = int(residual.min())
     assert torch.equal(restored_keys[:, :, -tail:], keys[:, :, -tail:])
     assert torch.equal(restored_values[:, :, -tail:], values[:, :, -tail:])
-    assert not torch.equal(restored_keys[:, :, :G], keys[:, :, :G])  # the old part really is quantized
+    assert not torch.equal(restored_keys[:, :, 1:G], keys[:, :, 1:G])  # the old part really is quantized
 
 
 @pytest.mark.parametrize("quant", ["kivi2", "kivi4", "int8", "fp8"])
@@ -68,15 +71,15 @@ def test_nothing_is_quantized_twice(quant, monkeypatch):
     store = KVStore(keys, values, quantizer)
     feed(store, keys, values, chunk=3)
     store.flush()
-    total = keys.shape[0] * keys.shape[1] * keys.shape[2]
-    assert int(store.quantized_lengths.sum()) == total
+    total = keys.shape[0] * keys.shape[1] * keys.shape[2] - int(store.sink_lengths.sum())
+    assert int(store.quantized_lengths.sum()) == total and int(store.residual_lengths.sum()) == 0
     # every token's key and value went through a codec exactly once
     assert sum(encoded_rows) == 2 * total == store.quantize_calls
 
 
 def test_eviction_inside_quantized_groups_copies_codes():
     keys, values = kv(batch=1, heads=2, length=40)
-    store = KVStore(keys, values, make_quantizer("kivi4", group_size=G, residual_length=R))
+    store = KVStore(keys, values, make_quantizer("kivi4", group_size=G, residual_length=R, sink_tokens=0))
     feed(store, keys, values, chunk=40)
     before_keys, before_values, valid = store.padded()
     calls = store.quantize_calls
@@ -99,14 +102,17 @@ def test_kivi4_bytes_are_what_the_layout_says():
     store = KVStore(keys, values, make_quantizer("kivi4", group_size=G, residual_length=R))
     feed(store, keys, values, chunk=64)
     quantized, residual = int(store.quantized_lengths.sum()), int(store.residual_lengths.sum())
-    groups = quantized // G
+    sinks = int(store.sink_lengths.sum())
+    assert sinks == 2
+    groups = int(store.key_groups.sum())
+    assert groups == 2 * ((64 - R - 1 + G - 1) // G)
     expected = (
         quantized * 2 * (16 * 4 // 8)  # packed 4-bit key and value codes
         + groups * 16 * 2 * 2  # key min and scale per channel and group, float16
         + groups * 2  # int16 group sizes
         + quantized * 2 * 2  # value min and scale per token (one channel group of 16), float16
-        + residual * 2 * 16 * 4  # full-precision residual keys and values, float32
-        + 4 * 2 * 8  # lengths and group counts, [1, 2] int64 each
+        + (residual + sinks) * 2 * 16 * 4  # full-precision residual and sink keys and values, float32
+        + 5 * 2 * 8  # lengths and group counts, [1, 2] int64 each
     )
     assert store.nbytes() == expected
 
@@ -118,8 +124,9 @@ def test_cache_bytes_are_the_sum_of_its_tensors(llama):
     total = 0
     for layer in cache.compressing_layers:
         store = layer.store
-        tensors = [store.residual_keys, store.residual_values, layer.positions]
-        tensors += [store.residual_lengths, store.quantized_lengths, store.key_groups, store.value_groups]
+        tensors = [store.residual_keys, store.residual_values, store.sink_keys, store.sink_values, layer.positions]
+        tensors += [store.residual_lengths, store.quantized_lengths, store.sink_lengths]
+        tensors += [store.key_groups, store.value_groups]
         for encoded in (store.quantized_keys, store.quantized_values):
             tensors += [*encoded.per_token.values(), *encoded.per_group.values()]
             tensors += [] if encoded.group_sizes is None else [encoded.group_sizes]

@@ -1,15 +1,18 @@
 """`KVStore`: one layer's keys and values, per (batch entry, KV head), optionally quantized.
 
-Each head holds its tokens oldest first: a quantized part, then a full-precision residual window.
+Each head holds its tokens oldest first, in three parts: a few attention-sink tokens at full
+precision, the quantized part, then a full-precision residual window of the newest tokens.
 
-    residual_keys, residual_values: [num_residual_rows, head_dim] in the model's dtype
+    sink_keys, sink_values:         [num_sink_rows, head_dim] in the model's dtype
     quantized_keys, quantized_values: `Encoded` rows, [num_quantized_rows, ...]
-    residual_lengths, quantized_lengths: [batch, num_kv_heads] int64
+    residual_keys, residual_values: [num_residual_rows, head_dim] in the model's dtype
+    sink_lengths, quantized_lengths, residual_lengths: [batch, num_kv_heads] int64
 
 Without a quantizer everything stays in the residual part: the store is then the plain
 variable-length cache of kvwise. With one, tokens leave the residual window `group_size` at a
-time once it holds `residual_length + group_size` of them, and `flush()` quantizes all of it.
-Quantized rows are only ever copied or dropped, never quantized again.
+time once it holds `residual_length + group_size` of them, and `flush()` moves all of it. The
+first `sink_tokens` tokens to leave a head become its sinks; the rest are quantized. Quantized
+rows are only ever copied or dropped, never quantized again.
 """
 
 from __future__ import annotations
@@ -70,6 +73,8 @@ class KVStore:
         self.residual_values = values.new_empty((0, values.shape[-1]))
         self.residual_lengths = torch.zeros(self.grid, dtype=torch.int64, device=self.device)
         self.quantized_lengths = torch.zeros_like(self.residual_lengths)
+        self.sink_keys, self.sink_values = self.residual_keys, self.residual_values
+        self.sink_lengths = torch.zeros_like(self.residual_lengths)
         self.key_groups = torch.zeros_like(self.residual_lengths)  # groups per head (token-grouping codecs)
         self.value_groups = torch.zeros_like(self.residual_lengths)
         self.quantized_keys: Encoded | None = None
@@ -81,11 +86,17 @@ class KVStore:
     @property
     def lengths(self) -> torch.Tensor:
         """[batch, num_kv_heads] int64: tokens held per head."""
-        return self.quantized_lengths + self.residual_lengths
+        return self.sink_lengths + self.quantized_lengths + self.residual_lengths
+
+    def _segment_slots(self, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """sink and quantized slot masks [batch, num_kv_heads, width] of the padded layout."""
+        slots = torch.arange(width, device=self.device)
+        sink_end = self.sink_lengths[..., None]
+        return slots < sink_end, (slots >= sink_end) & (slots < sink_end + self.quantized_lengths[..., None])
 
     def padded(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """keys, values [batch, num_kv_heads, max_len, head_dim] (quantized rows restored) and
-        valid [batch, num_kv_heads, max_len]. Per head: quantized tokens, then residual ones."""
+        valid [batch, num_kv_heads, max_len]. Per head: sinks, quantized tokens, residual ones."""
         lengths = self.lengths
         width = int(lengths.max()) if lengths.numel() else 0
         valid = torch.arange(width, device=self.device) < lengths[..., None]
@@ -93,20 +104,24 @@ class KVStore:
             keys = ragged.pad(self.residual_keys, self.residual_lengths.flatten(), self.grid, width)
             values = ragged.pad(self.residual_values, self.residual_lengths.flatten(), self.grid, width)
             return keys, values, valid
-        counts_q, counts_r = self.quantized_lengths.flatten(), self.residual_lengths.flatten()
+        counts_s, counts_q = self.sink_lengths.flatten(), self.quantized_lengths.flatten()
+        counts_r = self.residual_lengths.flatten()
         restored_keys = self.quantizer.key_codec.decode(self.quantized_keys, self.dtype)
         restored_values = self.quantizer.value_codec.decode(self.quantized_values, self.dtype)
-        keys = ragged.interleave(restored_keys, counts_q, self.residual_keys, counts_r)
-        values = ragged.interleave(restored_values, counts_q, self.residual_values, counts_r)
+        keys = ragged.interleave(self.sink_keys, counts_s, restored_keys, counts_q)
+        values = ragged.interleave(self.sink_values, counts_s, restored_values, counts_q)
+        keys = ragged.interleave(keys, counts_s + counts_q, self.residual_keys, counts_r)
+        values = ragged.interleave(values, counts_s + counts_q, self.residual_values, counts_r)
         keys = ragged.pad(keys, lengths.flatten(), self.grid, width)
         values = ragged.pad(values, lengths.flatten(), self.grid, width)
         return keys, values, valid
 
     def nbytes(self) -> int:
-        """Bytes really held: residual rows, codes, scales, minimums, group sizes and lengths."""
+        """Bytes really held: full-precision rows, codes, scales, minimums, group sizes and lengths."""
         total = self.residual_keys.nbytes + self.residual_values.nbytes
         total += self.residual_lengths.nbytes + self.quantized_lengths.nbytes
         if self.quantizer is not None:
+            total += self.sink_keys.nbytes + self.sink_values.nbytes + self.sink_lengths.nbytes
             total += self.key_groups.nbytes + self.value_groups.nbytes
         for encoded in (self.quantized_keys, self.quantized_values):
             if encoded is not None:
@@ -119,20 +134,24 @@ class KVStore:
 
         Args:
             keys, values: [batch, num_kv_heads, slots, head_dim]: this store's `padded()` rows
-                first (quantized, then residual), then any new tokens.
+                first (sinks, quantized, residual), then any new tokens.
             keep: [batch, num_kv_heads, slots] bool.
             spill: False to keep every new token at full precision for now (a context that is
                 still being compressed: eviction first, then quantization).
         Returns:
             what got quantized, if anything.
         """
-        quantized_slots = torch.arange(keep.shape[-1], device=self.device) < self.quantized_lengths[..., None]
+        sink_slots, quantized_slots = self._segment_slots(keep.shape[-1])
         if self.quantized_keys is not None:
             kept_quantized = keep[quantized_slots]  # flat, in storage order
             if not bool(kept_quantized.all()):
                 self._drop_quantized(kept_quantized)
         self.quantized_lengths = (keep & quantized_slots).sum(dim=-1)
-        residual_slots = keep & ~quantized_slots
+        if self.quantizer is not None:
+            kept_sinks = keep & sink_slots
+            self.sink_keys, self.sink_values = keys[kept_sinks], values[kept_sinks]
+            self.sink_lengths = kept_sinks.sum(dim=-1)
+        residual_slots = keep & ~quantized_slots & ~sink_slots
         self.residual_keys = keys[residual_slots]
         self.residual_values = values[residual_slots]
         self.residual_lengths = residual_slots.sum(dim=-1)
@@ -146,7 +165,8 @@ class KVStore:
             return None
         lengths = self.lengths
         slots = torch.arange(int(lengths.max()) if lengths.numel() else 0, device=self.device)
-        residual_slots = (slots < lengths[..., None]) & (slots >= self.quantized_lengths[..., None])
+        first_residual = (self.sink_lengths + self.quantized_lengths)[..., None]
+        residual_slots = (slots < lengths[..., None]) & (slots >= first_residual)
         return self._spill(residual_slots, flush=True)
 
     def select_batch(self, indices: torch.Tensor) -> None:
@@ -156,14 +176,16 @@ class KVStore:
             indices.to(self.device)[:, None] * num_kv_heads + torch.arange(num_kv_heads, device=self.device)
         ).flatten()
         grid = (int(indices.shape[0]), num_kv_heads)
-        counts_r = self.residual_lengths.flatten()
+        counts_r, counts_s = self.residual_lengths.flatten(), self.sink_lengths.flatten()
         self.residual_keys, _ = ragged.gather_heads(self.residual_keys, counts_r, heads)
         self.residual_values, _ = ragged.gather_heads(self.residual_values, counts_r, heads)
+        self.sink_keys, _ = ragged.gather_heads(self.sink_keys, counts_s, heads)
+        self.sink_values, _ = ragged.gather_heads(self.sink_values, counts_s, heads)
         if self.quantized_keys is not None:
             counts_q = self.quantized_lengths.flatten()
             self.quantized_keys = self.quantized_keys.gather_heads(counts_q, self.key_groups.flatten(), heads)
             self.quantized_values = self.quantized_values.gather_heads(counts_q, self.value_groups.flatten(), heads)
-        for name in ("residual_lengths", "quantized_lengths", "key_groups", "value_groups"):
+        for name in ("residual_lengths", "quantized_lengths", "sink_lengths", "key_groups", "value_groups"):
             setattr(self, name, getattr(self, name).flatten()[heads].view(grid))
         self.grid = grid
 
@@ -175,7 +197,8 @@ class KVStore:
         self.key_groups, self.value_groups = key_groups.view(self.grid), value_groups.view(self.grid)
 
     def _spill(self, residual_slots: torch.Tensor, flush: bool) -> Spill | None:
-        """Move the oldest residual tokens into the quantized part, whole groups at a time."""
+        """Move the oldest residual tokens out, whole groups at a time: to the sinks while a head
+        has fewer than `sink_tokens` and nothing quantized, then into the quantized part."""
         quantizer = self.quantizer
         if quantizer is None:
             return None
@@ -187,34 +210,57 @@ class KVStore:
             moving = torch.where(lengths >= window + group, (lengths - window) // group * group, 0)
         if int(moving.sum()) == 0:
             return None
-        counts_r, counts_m = lengths.flatten(), moving.flatten()
-        leaving = ragged.first_rows_mask(counts_r, counts_m)
-        keys, values = self.residual_keys[leaving], self.residual_values[leaving]
-        groups_per_head = (counts_m + group - 1) // group
-        group_sizes = self._group_sizes(counts_m, groups_per_head, group)
+        open_sinks = torch.where(self.quantized_lengths == 0, quantizer.sink_tokens - self.sink_lengths, 0)
+        to_sinks = torch.minimum(open_sinks.clamp(min=0), moving)
+        counts_r, counts_m, counts_s = lengths.flatten(), moving.flatten(), to_sinks.flatten()
+        rank = ragged.rank_in_head(counts_r)
+        heads = ragged.head_of_rows(counts_r)
+        sinking, leaving = rank < counts_s[heads], rank < counts_m[heads]
+        quantizing = leaving & ~sinking
+        if bool(sinking.any()):
+            self._append_sinks(self.residual_keys[sinking], self.residual_values[sinking], counts_s)
+        counts_q = counts_m - counts_s
+        if int(counts_q.sum()) > 0:
+            keys, values = self.residual_keys[quantizing], self.residual_values[quantizing]
+            restored_keys, restored_values = self._quantize(keys, values, counts_q)
+        self.residual_keys, self.residual_values = self.residual_keys[~leaving], self.residual_values[~leaving]
+        self.residual_lengths = lengths - moving
+        if int(counts_q.sum()) == 0:
+            return None
+        slot_rank = torch.cumsum(residual_slots, dim=-1) - 1
+        slots = residual_slots & (slot_rank >= to_sinks[..., None]) & (slot_rank < moving[..., None])
+        return Spill(slots, restored_keys, restored_values)
+
+    def _append_sinks(self, keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor) -> None:
+        current = self.sink_lengths.flatten()
+        self.sink_keys = ragged.interleave(self.sink_keys, current, keys, counts)
+        self.sink_values = ragged.interleave(self.sink_values, current, values, counts)
+        self.sink_lengths = self.sink_lengths + counts.view(self.grid)
+
+    def _quantize(self, keys: torch.Tensor, values: torch.Tensor, counts: torch.Tensor):
+        """Quantize `counts[h]` rows per head and append them; returns the restored rows."""
+        quantizer, group = self.quantizer, self.quantizer.group_size
+        groups_per_head = (counts + group - 1) // group
+        group_sizes = self._group_sizes(counts, groups_per_head, group)
         new_keys = quantizer.key_codec.encode(keys, group_sizes)
         new_values = quantizer.value_codec.encode(values, group_sizes)
         self.quantize_calls += 2 * keys.shape[0]
-        new_key_groups = groups_per_head if quantizer.key_codec.groups_tokens else torch.zeros_like(counts_m)
-        new_value_groups = groups_per_head if quantizer.value_codec.groups_tokens else torch.zeros_like(counts_m)
+        new_key_groups = groups_per_head if quantizer.key_codec.groups_tokens else torch.zeros_like(counts)
+        new_value_groups = groups_per_head if quantizer.value_codec.groups_tokens else torch.zeros_like(counts)
         counts_q = self.quantized_lengths.flatten()
         self.quantized_keys = append_by_head(
-            self.quantized_keys, counts_q, self.key_groups.flatten(), new_keys, counts_m, new_key_groups
+            self.quantized_keys, counts_q, self.key_groups.flatten(), new_keys, counts, new_key_groups
         )
         self.quantized_values = append_by_head(
-            self.quantized_values, counts_q, self.value_groups.flatten(), new_values, counts_m, new_value_groups
+            self.quantized_values, counts_q, self.value_groups.flatten(), new_values, counts, new_value_groups
         )
         self.key_groups = self.key_groups + new_key_groups.view(self.grid)
         self.value_groups = self.value_groups + new_value_groups.view(self.grid)
-        self.quantized_lengths = self.quantized_lengths + moving
-        self.residual_keys, self.residual_values = self.residual_keys[~leaving], self.residual_values[~leaving]
-        self.residual_lengths = lengths - moving
+        self.quantized_lengths = self.quantized_lengths + counts.view(self.grid)
         restored_keys = quantizer.key_codec.decode(new_keys, self.dtype)
         restored_values = quantizer.value_codec.decode(new_values, self.dtype)
         self.errors.add(keys, restored_keys, values, restored_values)
-        rank = torch.cumsum(residual_slots, dim=-1) - 1
-        slots = residual_slots & (rank < moving[..., None])
-        return Spill(slots, restored_keys, restored_values)
+        return restored_keys, restored_values
 
     @staticmethod
     def _group_sizes(tokens_per_head: torch.Tensor, groups_per_head: torch.Tensor, group: int) -> torch.Tensor:

@@ -113,6 +113,7 @@ def test_kivi4_bytes_are_what_the_layout_says():
         + quantized * 2 * 2  # value min and scale per token (one channel group of 16), float16
         + (residual + sinks) * 2 * 16 * 4  # full-precision residual and sink keys and values, float32
         + 5 * 2 * 8  # lengths and group counts, [1, 2] int64 each
+        + len(store._quantized_parts()) * 3 * 2 * 8  # each quantized chunk's tokens and groups per head
     )
     assert store.nbytes() == expected
 
@@ -127,9 +128,10 @@ def test_cache_bytes_are_the_sum_of_its_tensors(llama):
         tensors = [store.residual_keys, store.residual_values, store.sink_keys, store.sink_values, layer.positions]
         tensors += [store.residual_lengths, store.quantized_lengths, store.sink_lengths]
         tensors += [store.key_groups, store.value_groups]
-        for encoded in (store.quantized_keys, store.quantized_values):
+        for encoded in (store.quantized_keys, store.quantized_values):  # (merges the chunks)
             tensors += [*encoded.per_token.values(), *encoded.per_group.values()]
             tensors += [] if encoded.group_sizes is None else [encoded.group_sizes]
+        tensors += [store._base.tokens, store._base.key_groups, store._base.value_groups]
         total += sum(t.numel() * t.element_size() for t in tensors)
         assert store.residual_keys.shape[0] == 0  # compress_context quantizes the whole context
     assert cache.nbytes() == total

@@ -79,17 +79,17 @@ def append_by_head(old: Encoded | None, old_tokens, old_groups, new: Encoded, ne
     """Per head, `old`'s rows followed by `new`'s. Counts are [num_heads] int64 tensors."""
     if old is None:
         return new
+    token_plan = ragged.interleave_plan(old_tokens, new_tokens)
     per_token = {
-        name: ragged.interleave(old.per_token[name], old_tokens, new.per_token[name], new_tokens)
-        for name in new.per_token
+        name: ragged.apply_plan(old.per_token[name], new.per_token[name], token_plan) for name in new.per_token
     }
     if new.group_sizes is None:
         return Encoded(per_token)
+    group_plan = ragged.interleave_plan(old_groups, new_groups)
     per_group = {
-        name: ragged.interleave(old.per_group[name], old_groups, new.per_group[name], new_groups)
-        for name in new.per_group
+        name: ragged.apply_plan(old.per_group[name], new.per_group[name], group_plan) for name in new.per_group
     }
-    sizes = ragged.interleave(old.group_sizes, old_groups, new.group_sizes, new_groups)
+    sizes = ragged.apply_plan(old.group_sizes, new.group_sizes, group_plan)
     return Encoded(per_token, per_group, sizes)
 
 

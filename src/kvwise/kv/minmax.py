@@ -74,10 +74,10 @@ class ChannelCodec(Codec):
         )
 
     def decode(self, encoded: Encoded, dtype: torch.dtype) -> torch.Tensor:
-        group_of_row = encoded.group_of_tokens()
+        sizes = encoded.group_sizes.long()
         codes = unpack(encoded.per_token["codes"], self.bits).float()
-        scale = encoded.per_group["scale"].float()[group_of_row]
-        minimum = encoded.per_group["min"].float()[group_of_row]
+        scale = encoded.per_group["scale"].float().repeat_interleave(sizes, dim=0)
+        minimum = encoded.per_group["min"].float().repeat_interleave(sizes, dim=0)
         return torch.addcmul(minimum, codes, scale).to(dtype)
 
 

@@ -37,7 +37,6 @@ def unpack(packed: torch.Tensor, bits: int) -> torch.Tensor:
     per_byte = codes_per_byte(bits)
     if per_byte == 1:
         return packed
-    shifts = torch.arange(0, 8, bits, dtype=torch.uint8, device=packed.device)
     mask = (1 << bits) - 1
-    codes = (packed[..., None] >> shifts) & mask
+    codes = torch.stack([(packed >> shift) & mask for shift in range(0, 8, bits)], dim=-1)
     return codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_byte)

@@ -28,6 +28,22 @@ def rank_in_head(counts: torch.Tensor) -> torch.Tensor:
     return torch.arange(heads.numel(), device=counts.device) - starts_of(counts)[heads]
 
 
+def interleave_plan(first_counts: torch.Tensor, second_counts: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Destination rows that put, per head, the rows of a first tensor before those of a second."""
+    out_starts = starts_of(first_counts + second_counts)
+    first_heads, second_heads = head_of_rows(first_counts), head_of_rows(second_counts)
+    first_dest = out_starts[first_heads] + rank_in_head(first_counts)
+    second_dest = out_starts[second_heads] + first_counts[second_heads] + rank_in_head(second_counts)
+    return first_dest, second_dest
+
+
+def apply_plan(first: torch.Tensor, second: torch.Tensor, plan: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+    out = first.new_empty((first.shape[0] + second.shape[0], *first.shape[1:]))
+    out[plan[0]] = first
+    out[plan[1]] = second
+    return out
+
+
 def interleave(first: torch.Tensor, first_counts: torch.Tensor, second: torch.Tensor, second_counts: torch.Tensor):
     """Per head, the rows of `first` followed by the rows of `second`.
 
@@ -40,14 +56,7 @@ def interleave(first: torch.Tensor, first_counts: torch.Tensor, second: torch.Te
         return first
     if first.shape[0] == 0:
         return second
-    out_starts = starts_of(first_counts + second_counts)
-    first_heads, second_heads = head_of_rows(first_counts), head_of_rows(second_counts)
-    first_dest = out_starts[first_heads] + rank_in_head(first_counts)
-    second_dest = out_starts[second_heads] + first_counts[second_heads] + rank_in_head(second_counts)
-    out = first.new_empty((first.shape[0] + second.shape[0], *first.shape[1:]))
-    out[first_dest] = first
-    out[second_dest] = second
-    return out
+    return apply_plan(first, second, interleave_plan(first_counts, second_counts))
 
 
 def gather_heads(flat: torch.Tensor, counts: torch.Tensor, heads: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -79,3 +88,20 @@ def pad(flat: torch.Tensor, counts: torch.Tensor, shape: tuple[int, ...], width:
     padded = flat.new_zeros((*shape, width, *flat.shape[1:]))
     padded[slot_valid] = flat
     return padded
+
+
+def pad_parts(parts: list[torch.Tensor], part_counts: list[torch.Tensor], shape: tuple[int, ...], width: int):
+    """Per head, the rows of each part in turn, written straight into a zero-padded layout.
+
+    parts[i]: [sum(part_counts[i]), ...]; returns [*shape, width, ...] with zeros after each head's rows.
+    """
+    num_heads = part_counts[0].numel()
+    reference = next(part for part in parts if part.shape[0] > 0) if any(p.shape[0] for p in parts) else parts[0]
+    padded = reference.new_zeros((num_heads, width, *reference.shape[1:]))
+    offset = torch.zeros_like(part_counts[0])
+    for part, counts in zip(parts, part_counts):
+        if part.shape[0]:
+            heads = head_of_rows(counts)
+            padded[heads, offset[heads] + rank_in_head(counts)] = part
+        offset = offset + counts
+    return padded.view(*shape, width, *reference.shape[1:])

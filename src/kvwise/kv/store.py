@@ -60,6 +60,53 @@ class ErrorTally:
         return (self.key_error / self.key_norm) ** 0.5, (self.value_error / max(self.value_norm, 1e-30)) ** 0.5
 
 
+MAX_CHUNKS = 8
+
+
+@dataclass
+class QuantizedChunk:
+    """Quantized rows of every head, per head in storage order.
+
+    tokens, key_groups, value_groups: [num_heads] int64 rows and groups per head.
+    """
+
+    keys: Encoded
+    values: Encoded
+    tokens: torch.Tensor
+    key_groups: torch.Tensor
+    value_groups: torch.Tensor
+
+    def append(self, later: QuantizedChunk) -> QuantizedChunk:
+        """Per head, this chunk's rows followed by `later`'s."""
+        keys = append_by_head(self.keys, self.tokens, self.key_groups, later.keys, later.tokens, later.key_groups)
+        values = append_by_head(
+            self.values, self.tokens, self.value_groups, later.values, later.tokens, later.value_groups
+        )
+        return QuantizedChunk(
+            keys,
+            values,
+            self.tokens + later.tokens,
+            self.key_groups + later.key_groups,
+            self.value_groups + later.value_groups,
+        )
+
+    def select(self, keep: torch.Tensor) -> QuantizedChunk:
+        """Drop rows; `keep` [num_rows] bool. Codes are copied, never re-quantized."""
+        keys, key_groups = self.keys.select(keep, self.key_groups)
+        values, value_groups = self.values.select(keep, self.value_groups)
+        tokens = torch.bincount(ragged.head_of_rows(self.tokens)[keep], minlength=self.tokens.numel())
+        return QuantizedChunk(keys, values, tokens, key_groups, value_groups)
+
+    def gather_heads(self, heads: torch.Tensor) -> QuantizedChunk:
+        return QuantizedChunk(
+            self.keys.gather_heads(self.tokens, self.key_groups, heads),
+            self.values.gather_heads(self.tokens, self.value_groups, heads),
+            self.tokens[heads],
+            self.key_groups[heads],
+            self.value_groups[heads],
+        )
+
+
 class KVStore:
     def __init__(self, keys: torch.Tensor, values: torch.Tensor, quantizer: Quantizer | None):
         """An empty store shaped after a first step's keys and values [batch, num_kv_heads, len, head_dim]."""
@@ -77,12 +124,34 @@ class KVStore:
         self.sink_lengths = torch.zeros_like(self.residual_lengths)
         self.key_groups = torch.zeros_like(self.residual_lengths)  # groups per head (token-grouping codecs)
         self.value_groups = torch.zeros_like(self.residual_lengths)
-        self.quantized_keys: Encoded | None = None
-        self.quantized_values: Encoded | None = None
+        # The quantized part: a consolidated base plus chunks appended since, so that adding
+        # tokens costs O(new tokens); chunks merge into the base every MAX_CHUNKS appends.
+        self._base: QuantizedChunk | None = None
+        self._chunks: list[QuantizedChunk] = []
         self.errors = ErrorTally()
         self.quantize_calls = 0  # rows handed to a codec, counted so tests can prove nothing is re-quantized
 
     # ---- reading -----------------------------------------------------------------------------
+    @property
+    def quantized_keys(self) -> Encoded | None:
+        """All quantized key rows, in storage order."""
+        self._consolidate()
+        return None if self._base is None else self._base.keys
+
+    @property
+    def quantized_values(self) -> Encoded | None:
+        self._consolidate()
+        return None if self._base is None else self._base.values
+
+    def _quantized_parts(self) -> list[QuantizedChunk]:
+        return ([] if self._base is None else [self._base]) + self._chunks
+
+    def _consolidate(self) -> None:
+        """Merge the appended chunks into the base (an O(quantized tokens) copy)."""
+        for chunk in self._chunks:
+            self._base = chunk if self._base is None else self._base.append(chunk)
+        self._chunks = []
+
     @property
     def lengths(self) -> torch.Tensor:
         """[batch, num_kv_heads] int64: tokens held per head."""
@@ -100,20 +169,17 @@ class KVStore:
         lengths = self.lengths
         width = int(lengths.max()) if lengths.numel() else 0
         valid = torch.arange(width, device=self.device) < lengths[..., None]
-        if self.quantized_keys is None or self.quantized_keys.num_tokens == 0:
+        parts = self._quantized_parts()
+        if not parts and not bool(self.sink_lengths.any()):
             keys = ragged.pad(self.residual_keys, self.residual_lengths.flatten(), self.grid, width)
             values = ragged.pad(self.residual_values, self.residual_lengths.flatten(), self.grid, width)
             return keys, values, valid
-        counts_s, counts_q = self.sink_lengths.flatten(), self.quantized_lengths.flatten()
-        counts_r = self.residual_lengths.flatten()
-        restored_keys = self.quantizer.key_codec.decode(self.quantized_keys, self.dtype)
-        restored_values = self.quantizer.value_codec.decode(self.quantized_values, self.dtype)
-        keys = ragged.interleave(self.sink_keys, counts_s, restored_keys, counts_q)
-        values = ragged.interleave(self.sink_values, counts_s, restored_values, counts_q)
-        keys = ragged.interleave(keys, counts_s + counts_q, self.residual_keys, counts_r)
-        values = ragged.interleave(values, counts_s + counts_q, self.residual_values, counts_r)
-        keys = ragged.pad(keys, lengths.flatten(), self.grid, width)
-        values = ragged.pad(values, lengths.flatten(), self.grid, width)
+        codecs = self.quantizer
+        counts = [self.sink_lengths.flatten(), *(part.tokens for part in parts), self.residual_lengths.flatten()]
+        key_parts = [codecs.key_codec.decode(part.keys, self.dtype) for part in parts]
+        value_parts = [codecs.value_codec.decode(part.values, self.dtype) for part in parts]
+        keys = ragged.pad_parts([self.sink_keys, *key_parts, self.residual_keys], counts, self.grid, width)
+        values = ragged.pad_parts([self.sink_values, *value_parts, self.residual_values], counts, self.grid, width)
         return keys, values, valid
 
     def nbytes(self) -> int:
@@ -123,9 +189,9 @@ class KVStore:
         if self.quantizer is not None:
             total += self.sink_keys.nbytes + self.sink_values.nbytes + self.sink_lengths.nbytes
             total += self.key_groups.nbytes + self.value_groups.nbytes
-        for encoded in (self.quantized_keys, self.quantized_values):
-            if encoded is not None:
-                total += encoded.nbytes()
+        for part in self._quantized_parts():
+            total += part.keys.nbytes() + part.values.nbytes() + part.tokens.nbytes
+            total += part.key_groups.nbytes + part.value_groups.nbytes
         return total
 
     # ---- writing -----------------------------------------------------------------------------
@@ -142,7 +208,7 @@ class KVStore:
             what got quantized, if anything.
         """
         sink_slots, quantized_slots = self._segment_slots(keep.shape[-1])
-        if self.quantized_keys is not None:
+        if self._quantized_parts():
             kept_quantized = keep[quantized_slots]  # flat, in storage order
             if not bool(kept_quantized.all()):
                 self._drop_quantized(kept_quantized)
@@ -181,20 +247,21 @@ class KVStore:
         self.residual_values, _ = ragged.gather_heads(self.residual_values, counts_r, heads)
         self.sink_keys, _ = ragged.gather_heads(self.sink_keys, counts_s, heads)
         self.sink_values, _ = ragged.gather_heads(self.sink_values, counts_s, heads)
-        if self.quantized_keys is not None:
-            counts_q = self.quantized_lengths.flatten()
-            self.quantized_keys = self.quantized_keys.gather_heads(counts_q, self.key_groups.flatten(), heads)
-            self.quantized_values = self.quantized_values.gather_heads(counts_q, self.value_groups.flatten(), heads)
+        self._consolidate()
+        if self._base is not None:
+            self._base = self._base.gather_heads(heads)
         for name in ("residual_lengths", "quantized_lengths", "sink_lengths", "key_groups", "value_groups"):
             setattr(self, name, getattr(self, name).flatten()[heads].view(grid))
         self.grid = grid
 
     # ---- quantization ------------------------------------------------------------------------
     def _drop_quantized(self, kept: torch.Tensor) -> None:
-        counts_heads = self.key_groups.flatten()
-        self.quantized_keys, key_groups = self.quantized_keys.select(kept, counts_heads)
-        self.quantized_values, value_groups = self.quantized_values.select(kept, self.value_groups.flatten())
-        self.key_groups, self.value_groups = key_groups.view(self.grid), value_groups.view(self.grid)
+        self._consolidate()
+        self._base = self._base.select(kept)
+        self.key_groups, self.value_groups = (
+            self._base.key_groups.view(self.grid),
+            self._base.value_groups.view(self.grid),
+        )
 
     def _spill(self, residual_slots: torch.Tensor, flush: bool) -> Spill | None:
         """Move the oldest residual tokens out, whole groups at a time: to the sinks while a head
@@ -247,13 +314,9 @@ class KVStore:
         self.quantize_calls += 2 * keys.shape[0]
         new_key_groups = groups_per_head if quantizer.key_codec.groups_tokens else torch.zeros_like(counts)
         new_value_groups = groups_per_head if quantizer.value_codec.groups_tokens else torch.zeros_like(counts)
-        counts_q = self.quantized_lengths.flatten()
-        self.quantized_keys = append_by_head(
-            self.quantized_keys, counts_q, self.key_groups.flatten(), new_keys, counts, new_key_groups
-        )
-        self.quantized_values = append_by_head(
-            self.quantized_values, counts_q, self.value_groups.flatten(), new_values, counts, new_value_groups
-        )
+        self._chunks.append(QuantizedChunk(new_keys, new_values, counts, new_key_groups, new_value_groups))
+        if len(self._chunks) >= MAX_CHUNKS:
+            self._consolidate()
         self.key_groups = self.key_groups + new_key_groups.view(self.grid)
         self.value_groups = self.value_groups + new_value_groups.view(self.grid)
         self.quantized_lengths = self.quantized_lengths + counts.view(self.grid)

@@ -6,23 +6,7 @@ import argparse
 import sys
 from pathlib import Path
 
-
-def _floats(text: str) -> list[float]:
-    try:
-        return [float(part) for part in text.split(",") if part]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
-
-
-def _ints(text: str) -> list[int]:
-    try:
-        return [int(part) for part in text.split(",") if part]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-
-
-def _names(text: str) -> list[str]:
-    return [part.strip() for part in text.split(",") if part.strip()]
+from kvwise.bench.commands import add_bench_parsers, run_bench
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -38,6 +22,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--ratio", type=float, default=0.5, help="fraction of the prompt's KV removed, in [0, 1)")
     generate.add_argument("--max-new-tokens", type=int, default=64)
     generate.add_argument("--max-kv-tokens", type=int, default=None, help="decode-time budget per head")
+    generate.add_argument("--quant", default=None, help="store the KV in kivi2, kivi4, int8 or fp8")
     generate.add_argument("--model", default=None, help="HF hub id or local directory (default: embedded SmolLM2)")
     generate.add_argument("--no-chat-template", action="store_true", help="send the prompt as raw text")
 
@@ -47,23 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--model", default=None)
 
     bench = commands.add_parser("bench", help="benchmarks")
-    workloads = bench.add_subparsers(dest="workload", required=True)
-    niah = workloads.add_parser("niah", help="needle in a haystack under compression")
-    niah.add_argument("--policies", type=_names, default=None)
-    niah.add_argument("--ratios", type=_floats, default=None)
-    niah.add_argument("--lengths", type=_ints, default=None)
-    niah.add_argument("--depths", type=_floats, default=None)
-    niah.add_argument("--trials-per-depth", type=int, default=None)
-    niah.add_argument("--mode", choices=["agnostic", "aware"], default="agnostic")
-    niah.add_argument("--model", default=None)
-    niah.add_argument("--seed", type=int, default=0)
-    niah.add_argument("--out", type=Path, default=Path("results"))
-    niah.add_argument("--quick", action="store_true", help="a small grid: L=1000, 3 depths, 1 trial each")
-    niah.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")
-    niah.add_argument("--haystack-dir", default=None, help="a folder of .txt files to use as the haystack")
-    niah.add_argument("--needle", default=None, help="needle template containing {key}")
-    niah.add_argument("--question", default=None)
-    niah.add_argument("--answer-prefix", default=None)
+    add_bench_parsers(bench.add_subparsers(dest="workload", required=True))
     return parser
 
 
@@ -89,10 +58,12 @@ def _command_policies(args) -> None:
 
 def _command_generate(args) -> None:
     from kvwise.hf.cache import check_ratio
+    from kvwise.kv.quantizer import make_quantizer
     from kvwise.policies.registry import make_policy
 
     check_ratio(args.ratio)
     make_policy(args.policy)
+    make_quantizer(args.quant)
     prompt = _read_prompt(args)
     from kvwise.hf.run import generate_with_report
 
@@ -104,6 +75,7 @@ def _command_generate(args) -> None:
         max_kv_tokens=args.max_kv_tokens,
         model_name=args.model,
         chat=not args.no_chat_template,
+        quant=args.quant,
     )
     print(report.completion)
     print(report.summary(), file=sys.stderr)
@@ -116,30 +88,7 @@ def _command_demo(args) -> None:
 
 
 def _command_bench(args) -> None:
-    if args.workload == "niah":
-        from kvwise.bench.niah import NiahConfig, run_niah
-
-        config = NiahConfig(mode=args.mode, model=args.model, seed=args.seed)
-        if args.quick:
-            config.lengths, config.depths, config.trials_per_depth = [1000], [0.0, 0.5, 1.0], 1
-        for option in (
-            "policies",
-            "ratios",
-            "lengths",
-            "depths",
-            "trials_per_depth",
-            "haystack_dir",
-            "needle",
-            "question",
-            "answer_prefix",
-        ):
-            value = getattr(args, option)
-            if value is not None:
-                setattr(config, option, value)
-        config.__post_init__()
-        report = run_niah(config, args.out, resume=not args.no_resume)
-        print((args.out / "niah.md").read_text())
-        print(f"wrote {args.out / 'niah.json'} ({len(report['results'])} trials)")
+    run_bench(args)
 
 
 _COMMANDS = {

@@ -86,6 +86,8 @@ def load_model(name: str | None = None, device: str | torch.device = "auto", dty
 
     target_device = resolve_device(device)
     if isinstance(dtype, str):
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"unknown dtype {dtype!r}; try float32, bfloat16 or float16")
         dtype = getattr(torch, dtype)
     if dtype is None:
         dtype = torch.bfloat16 if target_device.type == "cuda" else torch.float32

@@ -25,6 +25,7 @@ from kvwise.bench.haystack import (
 )
 from kvwise.hf.cache import KVWiseCache, check_ratio, full_kv_bytes
 from kvwise.hf.generation import greedy_continue
+from kvwise.kv.quantizer import make_quantizer
 from kvwise.policies.registry import make_policy
 
 NUM_NEW_TOKENS = 8
@@ -44,6 +45,7 @@ class NiahConfig:
     needle: str = DEFAULT_NEEDLE
     question: str = DEFAULT_QUESTION
     answer_prefix: str = DEFAULT_ANSWER_PREFIX
+    quant: str | None = None  # a quantizer for every cell: evict with the policy, then quantize
 
     def __post_init__(self):
         if self.mode not in ("agnostic", "aware"):
@@ -58,6 +60,7 @@ class NiahConfig:
             raise ValueError("depths must be in [0, 1]")
         if self.trials_per_depth < 1:
             raise ValueError("trials-per-depth must be >= 1")
+        make_quantizer(self.quant)
         if "{key}" not in self.needle:
             raise ValueError("the needle template must contain {key}")
 
@@ -70,13 +73,13 @@ class NiahConfig:
         return pairs
 
 
-def run_trial(model, tokenizer, prompt, policy: str, ratio: float, mode: str) -> dict:
+def run_trial(model, tokenizer, prompt, policy: str, ratio: float, mode: str, quant: str | None = None) -> dict:
     """One trial: compress, ask, decode. Returns the measured fields of a result row."""
     device = model.device
     context_ids = prompt.context_ids.to(device)
     question_ids = prompt.question_ids.to(device)
     started = time.perf_counter()
-    cache = KVWiseCache(model, policy=policy, compression_ratio=ratio, tokenizer=tokenizer)
+    cache = KVWiseCache(model, policy=policy, compression_ratio=ratio, tokenizer=tokenizer, quant=quant)
     if mode == "agnostic":
         compressed_ids, rest_ids = context_ids, question_ids
     else:
@@ -124,7 +127,7 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
         for name, ratio, trial in work:
             key = (name, ratio, trial.length, trial.depth, trial.trial)
             if key not in done:
-                measured = run_trial(model, tokenizer, prompts[trial], name, ratio, config.mode)
+                measured = run_trial(model, tokenizer, prompts[trial], name, ratio, config.mode, config.quant)
                 row = {
                     "policy": name,
                     "ratio": ratio,
@@ -133,6 +136,7 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
                     "trial": trial.trial,
                     "key": trial.key,
                     "mode": config.mode,
+                    "quant": config.quant,
                     "correct": str(trial.key) in measured["answer"],
                     **measured,
                 }

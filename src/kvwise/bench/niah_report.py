@@ -21,6 +21,7 @@ def summarize(results: list[dict]) -> list[dict]:
                 "correct": sum(row["correct"] for row in rows),
                 "trials": len(rows),
                 "kv_fraction": mean(row["kv_bytes"] / row["full_kv_bytes"] for row in rows),
+                "kv16_fraction": mean(row["kv_bytes"] / row["full16_kv_bytes"] for row in rows),
                 "kv_bytes": mean(row["kv_bytes"] for row in rows),
                 "seconds": mean(row["seconds"] for row in rows),
             }
@@ -39,7 +40,8 @@ def markdown_table(report: dict) -> str:
     lines = [
         f"NIAH, mode={config['mode']}, lengths={config['lengths']}, depths={config['depths']}, "
         f"trials/depth={config['trials_per_depth']}, seed={config['seed']}, "
-        f"model={config['model'] or 'SmolLM2-135M-Instruct'}",
+        f"model={config['model'] or 'SmolLM2-135M-Instruct'}"
+        + (f", quant={config['quant']} (kv16 = bytes held / a 16-bit full cache's)" if config.get("quant") else ""),
         f"system: kvwise {system['kvwise']}, torch {system['torch']}, transformers {system['transformers']}, "
         f"{system['device']} ({system['hardware']})",
         "",
@@ -57,7 +59,8 @@ def markdown_table(report: dict) -> str:
                 cells.append("")
                 continue
             speed = f", {row['seconds']:.2f}s" + (f" ({row['seconds'] / baseline:.2f}x)" if baseline else "")
-            cells.append(f"{row['correct']}/{row['trials']}, kv {row['kv_fraction']:.3f}{speed}")
+            kv16 = f", kv16 {row['kv16_fraction']:.4f}" if config.get("quant") else ""
+            cells.append(f"{row['correct']}/{row['trials']}, kv {row['kv_fraction']:.3f}{kv16}{speed}")
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 

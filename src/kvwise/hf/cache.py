@@ -97,6 +97,14 @@ class KVWiseCache(Cache):
         self._layer_rank = {id(layer): rank for rank, layer in enumerate(self.compressing_layers)}
         use_kvwise_attention(model)
 
+    @classmethod
+    def from_preset(cls, model, name: str, tokenizer=None, **overrides) -> KVWiseCache:
+        """A cache from a named preset (see `kvwise.presets.PRESETS`); keyword arguments override it."""
+        from kvwise.presets import preset
+
+        settings = {**preset(name).as_kwargs(), **overrides}
+        return cls(model, tokenizer=tokenizer, **settings)
+
     # ---- decisions the layers ask for -----------------------------------------------------------
     @property
     def num_compressing_layers(self) -> int:

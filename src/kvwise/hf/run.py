@@ -18,6 +18,7 @@ class GenerationReport:
     compressed_kv_bytes: int
     policy: str
     ratio: float
+    quant: str | None = None
 
     @property
     def compression(self) -> float:
@@ -25,7 +26,7 @@ class GenerationReport:
 
     def summary(self) -> str:
         return (
-            f"policy={self.policy} ratio={self.ratio} prompt_tokens={self.prompt_tokens} "
+            f"policy={self.policy} ratio={self.ratio} quant={self.quant} prompt_tokens={self.prompt_tokens} "
             f"kv_bytes_before={self.full_kv_bytes:,} kv_bytes_after={self.compressed_kv_bytes:,} "
             f"compression={self.compression:.1f}x"
         )
@@ -50,6 +51,7 @@ def generate_with_report(
     model_name: str | None = None,
     chat: bool = True,
     model_and_tokenizer=None,
+    quant: str | None = None,
 ) -> GenerationReport:
     """Prefill `prompt` into a compressing cache, then generate from it.
 
@@ -59,7 +61,9 @@ def generate_with_report(
 
     model, tokenizer = model_and_tokenizer or load_model(model_name)
     input_ids = encode_prompt(tokenizer, prompt, chat).to(model.device)
-    cache = KVWiseCache(model, policy=policy, compression_ratio=ratio, max_kv_tokens=max_kv_tokens, tokenizer=tokenizer)
+    cache = KVWiseCache(
+        model, policy=policy, compression_ratio=ratio, max_kv_tokens=max_kv_tokens, tokenizer=tokenizer, quant=quant
+    )
     cache.check_length(input_ids.shape[1] + max_new_tokens)
     with torch.no_grad():
         cache.compress_context(input_ids[:, :-1])
@@ -76,4 +80,5 @@ def generate_with_report(
         compressed_kv_bytes=compressed_bytes,
         policy=policy,
         ratio=ratio,
+        quant=quant,
     )

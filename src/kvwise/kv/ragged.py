@@ -97,6 +97,11 @@ def pad_parts(parts: list[torch.Tensor], part_counts: list[torch.Tensor], shape:
     """
     num_heads = part_counts[0].numel()
     reference = next(part for part in parts if part.shape[0] > 0) if any(p.shape[0] for p in parts) else parts[0]
+    uniform = all(bool((counts == counts[0]).all()) for counts in part_counts if counts.numel())
+    if uniform and sum(int(counts[0]) for counts in part_counts) == width:
+        # Every head holds the same number of rows of each part (nothing evicted): no scatter needed.
+        blocks = [part.view(num_heads, -1, *part.shape[1:]) for part in parts if part.shape[0]]
+        return torch.cat(blocks, dim=1).view(*shape, width, *reference.shape[1:])
     padded = reference.new_zeros((num_heads, width, *reference.shape[1:]))
     offset = torch.zeros_like(part_counts[0])
     for part, counts in zip(parts, part_counts):

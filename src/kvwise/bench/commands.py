@@ -1,0 +1,98 @@
+"""`kvwise bench ...`: the command-line front of each benchmark."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def floats(text: str) -> list[float]:
+    try:
+        return [float(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from None
+
+
+def ints(text: str) -> list[int]:
+    try:
+        return [int(part) for part in text.split(",") if part]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+
+
+def names(text: str) -> list[str]:
+    return [part.strip() for part in text.split(",") if part.strip()]
+
+
+def add_bench_parsers(workloads) -> None:
+    niah = workloads.add_parser("niah", help="needle in a haystack under compression")
+    niah.add_argument("--policies", type=names, default=None)
+    niah.add_argument("--ratios", type=floats, default=None)
+    niah.add_argument("--lengths", type=ints, default=None)
+    niah.add_argument("--depths", type=floats, default=None)
+    niah.add_argument("--trials-per-depth", type=int, default=None)
+    niah.add_argument("--mode", choices=["agnostic", "aware"], default="agnostic")
+    niah.add_argument("--quant", default=None, help="also quantize what each policy keeps: kivi2, kivi4, int8, fp8")
+    niah.add_argument("--model", default=None)
+    niah.add_argument("--seed", type=int, default=0)
+    niah.add_argument("--out", type=Path, default=Path("results"))
+    niah.add_argument("--quick", action="store_true", help="a small grid: L=1000, 3 depths, 1 trial each")
+    niah.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")
+    niah.add_argument("--haystack-dir", default=None, help="a folder of .txt files to use as the haystack")
+    niah.add_argument("--needle", default=None, help="needle template containing {key}")
+    niah.add_argument("--question", default=None)
+    niah.add_argument("--answer-prefix", default=None)
+
+    ppl = workloads.add_parser("ppl", help="teacher-forced perplexity under quantization and KV budgets")
+    ppl.add_argument("--tokens", type=int, default=None, help="essay tokens scored (default 4096; 1024 with --quick)")
+    ppl.add_argument("--chunk", type=int, default=None, help="tokens per forward (default 256)")
+    ppl.add_argument("--quants", type=names, default=None, help="kvwise quantizers (default int8,fp8,kivi4,kivi2)")
+    ppl.add_argument("--policies", type=names, default=None, help="policies run under each --budgets decode budget")
+    ppl.add_argument("--budgets", type=ints, default=None, help="decode budgets in tokens per head (256,512,1024)")
+    ppl.add_argument("--mixes", type=names, default=None, help="evict+quantize mixes as policy:budget:quant")
+    ppl.add_argument("--peers", type=names, default=None, help="transformers QuantizedCache backends: quanto,hqq")
+    ppl.add_argument("--dtype", default=None, help="model dtype (default bfloat16, what serving uses)")
+    ppl.add_argument("--model", default=None)
+    ppl.add_argument("--haystack-dir", default=None, help="a folder of .txt files to score instead of the essays")
+    ppl.add_argument("--out", type=Path, default=Path("results"))
+    ppl.add_argument("--quick", action="store_true", help="1024 tokens, one budget, fewer systems")
+    ppl.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")
+
+
+def run_bench(args) -> None:
+    {"niah": _niah, "ppl": _ppl}[args.workload](args)
+
+
+def _override(config, args, options) -> None:
+    for option in options:
+        value = getattr(args, option)
+        if value is not None:
+            setattr(config, option, value)
+    config.__post_init__()
+
+
+def _niah(args) -> None:
+    from kvwise.bench.niah import NiahConfig, run_niah
+
+    config = NiahConfig(mode=args.mode, model=args.model, seed=args.seed, quant=args.quant)
+    if args.quick:
+        config.lengths, config.depths, config.trials_per_depth = [1000], [0.0, 0.5, 1.0], 1
+    options = ("policies", "ratios", "lengths", "depths", "trials_per_depth", "haystack_dir", "needle", "question")
+    _override(config, args, (*options, "answer_prefix"))
+    report = run_niah(config, args.out, resume=not args.no_resume)
+    print((args.out / "niah.md").read_text())
+    print(f"wrote {args.out / 'niah.json'} ({len(report['results'])} trials)")
+
+
+def _ppl(args) -> None:
+    from kvwise.bench.ppl import PplConfig, run_ppl
+
+    config = PplConfig(model=args.model)
+    if args.quick:
+        config.tokens, config.budgets, config.policies = 1024, [256], ["streaming_llm", "h2o"]
+        config.mixes, config.peers = ["h2o:256:kivi4"], ["quanto"]
+    options = ("tokens", "chunk", "quants", "policies", "budgets", "mixes", "peers", "dtype", "haystack_dir")
+    _override(config, args, options)
+    report = run_ppl(config, args.out, resume=not args.no_resume)
+    print((args.out / "ppl.md").read_text())
+    print(f"wrote {args.out / 'ppl.json'} ({len(report['results'])} systems)")

@@ -43,6 +43,12 @@ def test_bad_max_kv_tokens(llama):
         (["generate", "--prompt-file", "/no/such/file"], "cannot read prompt file"),
         (["bench", "niah", "--policies", "nope"], "unknown policy 'nope'"),
         (["bench", "niah", "--ratios", "0.5,2"], "must be in [0, 1)"),
+        (["bench", "niah", "--quant", "kivi3"], "unknown quantizer 'kivi3'"),
+        (["generate", "--prompt", "x", "--quant", "int4"], "unknown quantizer 'int4'"),
+        (["bench", "ppl", "--mixes", "h2o:many:kivi4"], "a mix is policy:budget:quant"),
+        (["bench", "ppl", "--peers", "bitsandbytes"], "unknown peer 'bitsandbytes'"),
+        (["bench", "ppl", "--quants", "kivi8"], "unknown quantizer 'kivi8'"),
+        (["bench", "ppl", "--budgets", "0"], "budgets must be positive"),
     ],
 )
 def test_cli_errors_are_one_line(argv, message, capsys):
@@ -75,3 +81,13 @@ def test_cli_context_too_long(tmp_path, capsys, monkeypatch):
     prompt.write_text("word " * 700)
     assert main(["generate", "--prompt-file", str(prompt), "--no-chat-template"]) == 2
     assert "the model's maximum is 512" in capsys.readouterr().err
+
+
+def test_unknown_preset(llama):
+    with pytest.raises(ValueError, match="unknown preset 'tiny'; choose one of: int8, kivi4"):
+        KVWiseCache.from_preset(llama, "tiny")
+
+
+def test_unknown_quantizer_in_the_cache(llama):
+    with pytest.raises(ValueError, match="unknown quantizer 'kivi3'; choose one of: none, kivi2, kivi4, int8, fp8"):
+        KVWiseCache(llama, "full", quant="kivi3")

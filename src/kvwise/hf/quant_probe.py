@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from kvwise.hf.attention import attend_grouped
 from kvwise.kv.store import Spill
 
 
@@ -22,17 +21,27 @@ def attention_error_of_spill(
 ) -> float:
     """Relative L2 error of the attention output caused by this spill.
 
+    Only the quantized slots differ between the two sides, so their logits and values are
+    patched in rather than the whole cache copied. (Logit soft-capping is left out: this is a
+    quality signal, not the model's output.)
+
     Args:
         keys, values: [batch, num_kv_heads, slots, head_dim], the step's rows before quantization.
         keep: [batch, num_kv_heads, slots] bool, the slots the step kept.
         spill: which of those slots were quantized, and their restored rows.
         query: [batch, num_heads, 1, head_dim], the step's last query.
     """
-    restored_keys, restored_values = keys.clone(), values.clone()
-    restored_keys[spill.slots] = spill.keys
-    restored_values[spill.slots] = spill.values
-    group_size = query.shape[1] // keys.shape[1]
-    mask = keep[:, :, None, :].expand(-1, -1, group_size, -1)
-    reference = attend_grouped(query, keys, values, mask, scaling, None).float()
-    quantized = attend_grouped(query, restored_keys, restored_values, mask, scaling, None).float()
+    batch, num_kv_heads, _, head_dim = keys.shape
+    queries = query.reshape(batch, num_kv_heads, -1, head_dim).float()  # [batch, kv_heads, group, head_dim]
+    logits = torch.matmul(queries, keys.float().transpose(-1, -2)) * scaling  # [batch, kv_heads, group, slots]
+    logits = logits.masked_fill(~keep[:, :, None, :], float("-inf"))
+    b, h, s = spill.slots.nonzero(as_tuple=True)
+    quantized_logits = logits.clone()
+    quantized_logits[b, h, :, s] = (queries[b, h] * spill.keys.float()[:, None, :]).sum(dim=-1) * scaling
+    values_float = values.float()
+    reference = torch.matmul(torch.softmax(logits, dim=-1), values_float)
+    probs = torch.softmax(quantized_logits, dim=-1)
+    quantized = torch.matmul(probs, values_float)
+    value_change = spill.values.float() - values_float[b, h, s]  # [num_spilled, head_dim]
+    quantized.index_put_((b, h), probs[b, h, :, s][..., None] * value_change[:, None, :], accumulate=True)
     return float((quantized - reference).norm() / reference.norm().clamp(min=1e-12))

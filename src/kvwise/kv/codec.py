@@ -93,6 +93,16 @@ def append_by_head(old: Encoded | None, old_tokens, old_groups, new: Encoded, ne
     return Encoded(per_token, per_group, sizes)
 
 
+def concat_encoded(parts: list[Encoded]) -> Encoded:
+    """The rows of several `Encoded` one after another (not per head): for decoding in one pass."""
+    if len(parts) == 1:
+        return parts[0]
+    per_token = {name: torch.cat([part.per_token[name] for part in parts]) for name in parts[0].per_token}
+    per_group = {name: torch.cat([part.per_group[name] for part in parts]) for name in parts[0].per_group}
+    sizes = None if parts[0].group_sizes is None else torch.cat([part.group_sizes for part in parts])
+    return Encoded(per_token, per_group, sizes)
+
+
 class Codec(ABC):
     """Encodes and decodes rows of one role. Subclasses document their code and metadata shapes."""
 

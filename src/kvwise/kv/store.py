@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from kvwise.kv import ragged
-from kvwise.kv.codec import Encoded, append_by_head
+from kvwise.kv.codec import Encoded, append_by_head, concat_encoded
 from kvwise.kv.quantizer import Quantizer
 
 
@@ -60,7 +60,7 @@ class ErrorTally:
         return (self.key_error / self.key_norm) ** 0.5, (self.value_error / max(self.value_norm, 1e-30)) ** 0.5
 
 
-MAX_CHUNKS = 8
+MAX_CHUNKS = 64  # merging is O(quantized tokens); decoding reads all chunks in one pass anyway
 
 
 @dataclass
@@ -174,10 +174,13 @@ class KVStore:
             keys = ragged.pad(self.residual_keys, self.residual_lengths.flatten(), self.grid, width)
             values = ragged.pad(self.residual_values, self.residual_lengths.flatten(), self.grid, width)
             return keys, values, valid
-        codecs = self.quantizer
         counts = [self.sink_lengths.flatten(), *(part.tokens for part in parts), self.residual_lengths.flatten()]
-        key_parts = [codecs.key_codec.decode(part.keys, self.dtype) for part in parts]
-        value_parts = [codecs.value_codec.decode(part.values, self.dtype) for part in parts]
+        sizes = [part.keys.num_tokens for part in parts]
+        # One decode over every chunk, then per-chunk views: the op count stays flat as chunks grow.
+        key_parts = self.quantizer.key_codec.decode(concat_encoded([p.keys for p in parts]), self.dtype).split(sizes)
+        value_parts = self.quantizer.value_codec.decode(concat_encoded([p.values for p in parts]), self.dtype).split(
+            sizes
+        )
         keys = ragged.pad_parts([self.sink_keys, *key_parts, self.residual_keys], counts, self.grid, width)
         values = ragged.pad_parts([self.sink_values, *value_parts, self.residual_values], counts, self.grid, width)
         return keys, values, valid

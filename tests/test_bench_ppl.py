@@ -14,12 +14,13 @@ pytestmark = pytest.mark.smollm
 
 def test_ppl_bench_writes_every_field(smollm, tmp_path):
     config = PplConfig(
-        tokens=96,
-        chunk=32,
+        tokens=256,
+        chunk=64,
         quants=["kivi4", "int8"],
         policies=["h2o"],
-        budgets=[40],
-        mixes=["h2o:40:kivi2"],
+        budgets=[80],
+        mixes=["h2o:80:kivi2"],
+        repeats=1,
         peers=["quanto"],
     )
     report = run_ppl(config, tmp_path)
@@ -34,9 +35,10 @@ def test_ppl_bench_writes_every_field(smollm, tmp_path):
         assert row["ppl"] > 1 and row["tokens_per_second"] > 0
     full, kivi4, int8 = results[0], results[1], results[2]
     assert full["ppl_ratio"] == 1.0 and full["config"]["quant"] is None
-    assert kivi4["config"]["quant"] == "kivi4" and kivi4["kv_bytes"] < 0.75 * full["kv_bytes"]
+    # most of 256 tokens sit in kivi4's full-precision residual window; int8 has none
+    assert kivi4["config"]["quant"] == "kivi4" and kivi4["kv_bytes"] < 0.8 * full["kv_bytes"]
     assert int8["kv_bytes"] < 0.6 * full["kv_bytes"] and abs(int8["ppl_ratio"] - 1) < 0.01
-    budgeted = [row for row in results if row["config"].get("max_kv_tokens") == 40]
+    budgeted = [row for row in results if row["config"].get("max_kv_tokens") == 80]
     assert len(budgeted) == 2 and all(row["kv_bytes"] < full["kv_bytes"] for row in budgeted)
     assert "| kvwise | kivi4 |" in markdown_table(report)
     assert (tmp_path / "ppl.png").exists() and (tmp_path / "ppl.md").exists()

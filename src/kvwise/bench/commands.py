@@ -52,6 +52,7 @@ def add_bench_parsers(workloads) -> None:
     ppl.add_argument("--mixes", type=names, default=None, help="evict+quantize mixes as policy:budget:quant")
     ppl.add_argument("--peers", type=names, default=None, help="transformers QuantizedCache backends: quanto,hqq")
     ppl.add_argument("--dtype", default=None, help="model dtype (default bfloat16, what serving uses)")
+    ppl.add_argument("--repeats", type=int, default=None, help="passes per system, fastest kept (default 2)")
     ppl.add_argument("--model", default=None)
     ppl.add_argument("--haystack-dir", default=None, help="a folder of .txt files to score instead of the essays")
     ppl.add_argument("--out", type=Path, default=Path("results"))
@@ -90,8 +91,8 @@ def _ppl(args) -> None:
     config = PplConfig(model=args.model)
     if args.quick:
         config.tokens, config.budgets, config.policies = 1024, [256], ["streaming_llm", "h2o"]
-        config.mixes, config.peers = ["h2o:256:kivi4"], ["quanto"]
-    options = ("tokens", "chunk", "quants", "policies", "budgets", "mixes", "peers", "dtype", "haystack_dir")
+        config.mixes, config.peers, config.repeats = ["h2o:256:kivi4"], ["quanto"], 1
+    options = ("tokens", "chunk", "quants", "policies", "budgets", "mixes", "peers", "dtype", "haystack_dir", "repeats")
     _override(config, args, options)
     report = run_ppl(config, args.out, resume=not args.no_resume)
     print((args.out / "ppl.md").read_text())

@@ -3,7 +3,8 @@
 The workload is ../docs BENCHMARKS "ppl": the first `tokens` + 1 essay tokens, fed in fixed
 chunks through one cache per system, the same tokens for every system. After each chunk the
 cache compresses or quantizes; the next chunk's predictions pay for it. Every system runs in
-the same process, after one warm-up forward, and only model forwards are timed.
+the same process, after one warm-up forward; only model forwards are timed, and each system's
+fastest of `repeats` passes is kept.
 """
 
 from __future__ import annotations
@@ -42,10 +43,15 @@ class PplConfig:
     model: str | None = None
     dtype: str = "bfloat16"
     haystack_dir: str | None = None
+    # Each system is scored this many times and its fastest pass is kept: on a shared 2-core
+    # machine one pass can be 10-20% slow, which would swamp the differences being measured.
+    repeats: int = 2
 
     def __post_init__(self):
         if self.tokens < 2 or self.chunk < 1:
             raise ValueError(f"tokens must be >= 2 and chunk >= 1, got {self.tokens} and {self.chunk}")
+        if self.repeats < 1:
+            raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         for name in self.quants:
             make_quantizer(name)
         for name in self.policies:
@@ -116,9 +122,14 @@ def score(model, ids: torch.Tensor, cache, chunk: int) -> tuple[float, float]:
     return nll, seconds
 
 
-def measure(model, ids: torch.Tensor, entry: dict, chunk: int) -> dict:
-    cache = build_cache(model, entry)
-    nll, seconds = score(model, ids, cache, chunk)
+def measure(model, ids: torch.Tensor, entry: dict, chunk: int, repeats: int = 1) -> dict:
+    """Score one system `repeats` times on fresh caches; the fastest pass gives the speed."""
+    timings = []
+    for _ in range(repeats):
+        cache = build_cache(model, entry)
+        nll, seconds = score(model, ids, cache, chunk)
+        timings.append(seconds)
+    seconds = min(timings)
     num_targets = ids.shape[1] - 1
     row = {
         **entry,
@@ -163,11 +174,18 @@ def run_ppl(config: PplConfig, out_dir: Path, resume: bool = True) -> dict:
             key = _key(entry)
             progress.set_postfix(system=entry["system"], **{k: v for k, v in entry["config"].items() if v is not None})
             if key not in done:
-                done[key] = measure(model, ids, entry, config.chunk)
+                try:
+                    done[key] = measure(model, ids, entry, config.chunk, config.repeats)
+                except Exception as error:  # a peer library's own limits must not sink the run
+                    if entry["system"] == "kvwise":
+                        raise
+                    print(f"skipping {entry['system']} {entry['config']}: {error}")
+                    progress.update()
+                    continue
                 partial.write(json.dumps(done[key]) + "\n")
                 partial.flush()
             progress.update()
-    results = [done[_key(entry)] for entry in systems]
+    results = [done[_key(entry)] for entry in systems if _key(entry) in done]
     baseline = results[0]
     for row in results:
         row["ppl_ratio"] = row["ppl"] / baseline["ppl"]
@@ -199,7 +217,7 @@ def _load_partial(path: Path, config: PplConfig) -> dict:
         header = json.loads(lines[0]) if lines else {}
     except json.JSONDecodeError:
         header = {}
-    same = ("tokens", "chunk", "model", "dtype", "haystack_dir")
+    same = ("tokens", "chunk", "model", "dtype", "haystack_dir", "repeats")
     if any(header.get("config", {}).get(name) != getattr(config, name) for name in same):
         path.unlink()
         return {}

@@ -25,7 +25,8 @@ def markdown_table(report: dict) -> str:
     config, system = report["config"], report["system"]
     lines = [
         f"PPL, tokens={config['tokens']} in chunks of {config['chunk']}, "
-        f"model={config['model'] or 'SmolLM2-135M-Instruct'} ({report['model_dtype']})",
+        f"model={config['model'] or 'SmolLM2-135M-Instruct'} ({report['model_dtype']}), "
+        f"fastest of {config.get('repeats', 1)} passes per system",
         f"system: kvwise {system['kvwise']}, torch {system['torch']}, transformers {system['transformers']}, "
         f"{system['device']} ({system['hardware']})",
         "",

@@ -1,0 +1,1 @@
+"""Pure-Python bookkeeping (no torch): the block pool, block hashing, the radix prefix cache."""

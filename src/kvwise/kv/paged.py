@@ -1,0 +1,57 @@
+"""`PagedKVStorage`: the engine's KV memory, one pool of fixed-size blocks per layer.
+
+    keys[layer], values[layer]: [num_blocks, block_size, num_kv_heads, head_dim] on the model's device
+
+A token lives at slot `block * block_size + offset`; a sequence reads its blocks through a block
+table. Block ids come from `core.BlockPool`; `attach(pool)` registers `zero` as the pool's release
+hook, so a block's keys and values are overwritten with zeros in the same call that drops its
+last reference, before the pool can hand it to anyone else (another request or tenant).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvwise.core.block_pool import BlockPool
+
+
+class PagedKVStorage:
+    def __init__(
+        self,
+        num_layers: int,
+        num_blocks: int,
+        block_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype = torch.float32,
+        device: str | torch.device = "cpu",
+    ):
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.block_size = block_size
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def attach(self, pool: BlockPool) -> None:
+        """Zero blocks whenever `pool` frees them."""
+        if pool.num_blocks != self.keys[0].shape[0] or pool.block_size != self.block_size:
+            raise ValueError("the pool and the storage disagree on the number or size of blocks")
+        pool.on_release(self.zero)
+
+    def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Store tokens. slots: [n] int64 (block * block_size + offset); keys, values: [n, num_kv_heads, head_dim]."""
+        self.keys[layer].view(-1, *keys.shape[1:])[slots] = keys
+        self.values[layer].view(-1, *values.shape[1:])[slots] = values
+
+    def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's blocks in order: keys, values [len(block_table) * block_size, num_kv_heads, head_dim]."""
+        keys, values = self.keys[layer][block_table], self.values[layer][block_table]
+        return keys.flatten(0, 1), values.flatten(0, 1)
+
+    def zero(self, block_ids: list[int]) -> None:
+        index = torch.tensor(block_ids, dtype=torch.long, device=self.keys[0].device)
+        for keys, values in zip(self.keys, self.values):
+            keys.index_fill_(0, index, 0)
+            values.index_fill_(0, index, 0)
+
+    def nbytes(self) -> int:
+        return sum(tensor.nbytes for tensor in (*self.keys, *self.values))

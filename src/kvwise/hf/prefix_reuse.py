@@ -1,0 +1,207 @@
+"""Prefix reuse for plain transformers `generate`: compute a prompt's KV once, reuse it after.
+
+    reuse = PrefixReuse(model, tenant="alice", tiers=[HostTier(2 << 30), DiskTier("/var/kvwise")])
+    output = reuse.generate(input_ids, max_new_tokens=32, do_sample=False)
+
+For a prompt, the longest cached run of full blocks is found in the device pool, then block by
+block in the tiers (host, disk, Redis, in the order given); blocks found below are promoted to
+the device. Only the rest of the prompt is computed. After generation the prompt's new full
+blocks are stored. A block evicted from the device pool is written to every tier (write-through
+at eviction). A tier that is down, full or returns a corrupt block simply misses: the block is
+recomputed. Greedy outputs are the same with and without reuse.
+
+Device blocks hold [block_size, num_kv_heads, head_dim] per layer in `PagedKVStorage`, zeroed
+when freed. Keys chain the block's tokens, the model, the tenant and the KV dtype.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from kvwise.core.block_pool import BlockPool
+from kvwise.core.hashing import Namespace, chain_keys
+from kvwise.core.radix import Node, RadixCache
+from kvwise.kv.paged import PagedKVStorage
+from kvwise.tiers.base import Tier
+
+
+@dataclass
+class ReuseStats:
+    """Token counts of lookups and where hits came from; spill and eviction volumes."""
+
+    queries_tokens: int = 0
+    hits_tokens: Counter = field(default_factory=Counter)  # tier name ("device", "host", ...) -> tokens
+    evictions: int = 0
+    evicted_bytes: int = 0
+    spilled_bytes: int = 0
+    recomputed_blocks: int = 0  # blocks a tier had but could not return (corrupt, down)
+
+    @property
+    def hit_rate(self) -> float:
+        return sum(self.hits_tokens.values()) / self.queries_tokens if self.queries_tokens else 0.0
+
+    @property
+    def spill_ratio(self) -> float:
+        return self.spilled_bytes / self.evicted_bytes if self.evicted_bytes else 0.0
+
+
+class PrefixReuse:
+    """Args:
+    model: a transformers causal LM (full-attention layers).
+    tenant: whose prefixes these are; another tenant never sees them.
+    shared: use the opt-in shared namespace (public system prompts) instead of the tenant's.
+    block_size: tokens per block.
+    device_blocks: blocks in the device pool (preallocated on the model's device).
+    tiers: lower tiers, searched in order.
+    """
+
+    def __init__(
+        self,
+        model,
+        tenant: str = "default",
+        shared: bool = False,
+        block_size: int = 16,
+        device_blocks: int = 256,
+        tiers: list[Tier] | tuple[Tier, ...] = (),
+        eviction: str = "lru",
+    ):
+        config = model.config.get_text_config(decoder=True)
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        self.model, self.block_size, self.num_layers = model, block_size, config.num_hidden_layers
+        dtype = next(model.parameters()).dtype
+        namespace = Namespace(str(getattr(config, "_name_or_path", "") or type(model).__name__), tenant, str(dtype))
+        self.namespace = namespace.shared() if shared else namespace
+        self.pool = BlockPool(device_blocks, block_size)
+        self.storage = PagedKVStorage(
+            self.num_layers, device_blocks, block_size, num_kv_heads, head_dim, dtype, model.device
+        )
+        self.storage.attach(self.pool)
+        self.tree = RadixCache(self.pool, eviction=eviction, on_evict=self._spill)
+        self.tiers = list(tiers)
+        self.stats = ReuseStats()
+
+    # ---- the one-call API ------------------------------------------------------------------------
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, **generate_kwargs) -> torch.Tensor:
+        """`model.generate` for one prompt [1, n], reusing and then storing its prefix KV."""
+        cache, _ = self.prefill_cache(input_ids)
+        output = self.model.generate(input_ids, cache=cache, **generate_kwargs)
+        self.store(input_ids, cache)
+        return output
+
+    # ---- the two steps -------------------------------------------------------------------------
+    def prefill_cache(self, input_ids: torch.Tensor) -> tuple[DynamicCache, int]:
+        """A DynamicCache holding the longest reusable prefix of `input_ids`, and its length.
+
+        At least the last prompt token is left to compute, so generation has logits to start from.
+        """
+        if input_ids.shape[0] != 1:
+            raise ValueError(f"prefix reuse takes one prompt at a time, got a batch of {input_ids.shape[0]}")
+        tokens = input_ids[0].tolist()
+        usable_blocks = (len(tokens) - 1) // self.block_size
+        self.stats.queries_tokens += usable_blocks * self.block_size
+        match = self.tree.match_prefix(tokens[: usable_blocks * self.block_size], self.namespace)
+        nodes = list(match.nodes)
+        self.stats.hits_tokens["device"] += len(nodes) * self.block_size
+        self.tree.lock(nodes)  # nothing we are about to read may be evicted while promoting
+        try:
+            nodes += self._promote(tokens, len(nodes), usable_blocks)
+        finally:
+            self.tree.unlock(match.nodes)
+        cache = DynamicCache(config=self.model.config)
+        if nodes:
+            table = torch.tensor([node.block for node in nodes], device=self.model.device)
+            for layer in range(self.num_layers):
+                keys, values = self.storage.gather(layer, table)  # [tokens, kv_heads, head_dim]
+                cache.update(keys.transpose(0, 1)[None], values.transpose(0, 1)[None], layer)
+        return cache, len(nodes) * self.block_size
+
+    def store(self, input_ids: torch.Tensor, cache: DynamicCache) -> int:
+        """Store the prompt's full blocks that are not cached yet; returns how many were added."""
+        tokens = input_ids[0].tolist()
+        full_blocks = min(len(tokens), cache.get_seq_length()) // self.block_size
+        known = len(self.tree.match_prefix(tokens[: full_blocks * self.block_size], self.namespace).nodes)
+        missing = full_blocks - known
+        if missing <= 0 or not self._make_room(missing):
+            return 0
+        blocks = self.pool.allocate(missing)
+        for index, block in enumerate(blocks):
+            start = (known + index) * self.block_size
+            self._write_block(block, cache, start)
+        path = self.tree.insert(tokens[: full_blocks * self.block_size], [-1] * known + blocks, self.namespace)
+        self.pool.release(blocks)  # the tree holds its own reference to the blocks it kept
+        return max(0, len(path) - known)
+
+    # ---- internals -------------------------------------------------------------------------------
+    def _promote(self, tokens: list[int], first: int, usable_blocks: int) -> list[Node]:
+        """Fetch blocks first.. from the tiers into the device pool until one misses."""
+        if not self.tiers or first >= usable_blocks:
+            return []
+        keys = chain_keys(tokens[: usable_blocks * self.block_size], self.block_size, self.namespace)
+        promoted = []
+        for index in range(first, usable_blocks):
+            found = self._fetch(keys[index])
+            if found is None or not self._make_room(1):
+                break
+            tier_name, data = found
+            (block,) = self.pool.allocate(1)
+            for layer in range(self.num_layers):
+                slots = torch.arange(block * self.block_size, (block + 1) * self.block_size, device=self.model.device)
+                self.storage.write(
+                    layer, slots, data[layer, 0].to(self.model.device), data[layer, 1].to(self.model.device)
+                )
+            path = self.tree.insert(tokens[: (index + 1) * self.block_size], [-1] * index + [block], self.namespace)
+            self.pool.release([block])
+            if len(path) <= index:
+                break
+            self.tree.lock([path[index]])
+            promoted.append(path[index])
+            self.stats.hits_tokens[tier_name] += self.block_size
+        self.tree.unlock(promoted)
+        return promoted
+
+    def _fetch(self, key: bytes) -> tuple[str, torch.Tensor] | None:
+        for tier in self.tiers:
+            corrupt_before, errors_before = tier.stats.corrupt, tier.stats.errors
+            data = tier.get(key)
+            if data is not None:
+                return tier.name, data
+            if tier.stats.corrupt > corrupt_before or tier.stats.errors > errors_before:
+                self.stats.recomputed_blocks += 1
+        return None
+
+    def _make_room(self, count: int) -> bool:
+        if not self.pool.can_allocate(count):
+            self.tree.evict(count - self.pool.num_free)
+        return self.pool.can_allocate(count)
+
+    def _write_block(self, block: int, cache: DynamicCache, start: int) -> None:
+        slots = torch.arange(block * self.block_size, (block + 1) * self.block_size, device=self.model.device)
+        for layer in range(self.num_layers):
+            layer_cache = cache.layers[layer]
+            keys = layer_cache.keys[0, :, start : start + self.block_size].transpose(0, 1)
+            values = layer_cache.values[0, :, start : start + self.block_size].transpose(0, 1)
+            self.storage.write(layer, slots, keys, values)
+
+    def _block_tensor(self, block: int) -> torch.Tensor:
+        """[num_layers, 2, block_size, num_kv_heads, head_dim] copy of a device block."""
+        return torch.stack(
+            [
+                torch.stack([self.storage.keys[layer][block], self.storage.values[layer][block]])
+                for layer in range(self.num_layers)
+            ]
+        )
+
+    def _spill(self, node: Node) -> None:
+        """Write an evicted device block to every tier before its memory is zeroed."""
+        data = self._block_tensor(node.block)
+        self.stats.evictions += 1
+        self.stats.evicted_bytes += data.nbytes
+        accepted = [tier.put(node.key, data) for tier in self.tiers]
+        if any(accepted):
+            self.stats.spilled_bytes += data.nbytes

@@ -1,0 +1,132 @@
+"""Local disk tier: one file per block, written atomically, optionally encrypted with AES-GCM.
+
+File: `DIR/ab/abcdef....kvb`, the block payload of `tiers.payload` (magic, version, key, shape,
+dtype, checksum, data). With an encryption key (32 bytes, from the constructor or the
+KVWISE_DISK_KEY environment variable as hex), the file is nonce || AES-GCM(payload) with the
+block key as associated data, so a file copied under another name fails authentication.
+
+Writes go to a temporary file in the same folder and are renamed into place, so a reader never
+sees half a block. A full disk (or any OSError) makes `put` return False and count a refused
+write; nothing else breaks. A file that fails its checksum or authentication is deleted and
+counted as corrupt, and the caller recomputes the block.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+from pathlib import Path
+
+import torch
+
+from kvwise.tiers.base import Tier
+from kvwise.tiers.payload import CorruptBlock, decode_block, encode_block
+
+KEY_ENVIRONMENT = "KVWISE_DISK_KEY"
+NONCE_BYTES = 12
+
+
+def _cipher(encryption_key: bytes | str | None):
+    if encryption_key is None:
+        encryption_key = os.environ.get(KEY_ENVIRONMENT) or None
+    if encryption_key is None:
+        return None
+    if isinstance(encryption_key, str):
+        try:
+            encryption_key = bytes.fromhex(encryption_key)
+        except ValueError:
+            raise ValueError(f"the disk encryption key must be hex (from {KEY_ENVIRONMENT} or config)") from None
+    if len(encryption_key) != 32:
+        raise ValueError(f"the disk encryption key must be 32 bytes (AES-256), got {len(encryption_key)}")
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    return AESGCM(encryption_key)
+
+
+class DiskTier(Tier):
+    name = "disk"
+
+    def __init__(self, directory: str | Path, capacity_bytes: int | None = None, encryption_key=None):
+        super().__init__()
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.capacity_bytes = capacity_bytes
+        self._cipher = _cipher(encryption_key)
+        self.last_error: str | None = None
+        self.stats.bytes_held = sum(path.stat().st_size for path in self.directory.glob("*/*.kvb"))
+
+    def path(self, key: bytes) -> Path:
+        name = key.hex()
+        return self.directory / name[:2] / f"{name}.kvb"
+
+    def put(self, key: bytes, block: torch.Tensor) -> bool:
+        payload = encode_block(key, block)
+        if self._cipher is not None:
+            nonce = secrets.token_bytes(NONCE_BYTES)
+            payload = nonce + self._cipher.encrypt(nonce, payload, key)
+        target = self.path(key)
+        previous = target.stat().st_size if target.exists() else 0
+        if self.capacity_bytes is not None and self.stats.bytes_held - previous + len(payload) > self.capacity_bytes:
+            self.stats.refused_puts += 1
+            self.last_error = "capacity reached"
+            return False
+        temporary = None
+        try:
+            target.parent.mkdir(exist_ok=True)
+            with tempfile.NamedTemporaryFile(dir=target.parent, suffix=".tmp", delete=False) as handle:
+                temporary = Path(handle.name)
+                handle.write(payload)
+            os.replace(temporary, target)
+        except OSError as error:  # ENOSPC, EDQUOT, EIO...: refuse, report, carry on
+            if temporary is not None:
+                temporary.unlink(missing_ok=True)
+            self.stats.refused_puts += 1
+            self.last_error = f"{type(error).__name__}: {error.strerror or error}"
+            return False
+        self.stats.bytes_held += len(payload) - previous
+        self.stats.puts += 1
+        return True
+
+    def get(self, key: bytes) -> torch.Tensor | None:
+        self.stats.gets += 1
+        path = self.path(key)
+        try:
+            payload = path.read_bytes()
+        except FileNotFoundError:
+            return None
+        except OSError as error:
+            self.stats.errors += 1
+            self.last_error = str(error)
+            return None
+        try:
+            if self._cipher is not None:
+                payload = self._open(key, payload)
+            block = decode_block(key, payload)
+        except CorruptBlock:
+            self.stats.corrupt += 1
+            self.delete(key)
+            return None
+        self.stats.hits += 1
+        return block
+
+    def _open(self, key: bytes, payload: bytes) -> bytes:
+        from cryptography.exceptions import InvalidTag
+
+        try:
+            return self._cipher.decrypt(payload[:NONCE_BYTES], payload[NONCE_BYTES:], key)
+        except (InvalidTag, ValueError):
+            raise CorruptBlock("authentication failed") from None
+
+    def exists(self, key: bytes) -> bool:
+        return self.path(key).exists()
+
+    def delete(self, key: bytes) -> None:
+        path = self.path(key)
+        try:
+            size = path.stat().st_size
+            path.unlink()
+        except FileNotFoundError:
+            return
+        self.stats.bytes_held -= size
+        self.stats.deletes += 1

@@ -112,6 +112,13 @@ def test_bad_quantizer_configs_are_clear(name, options, message):
         make_quantizer(name, **options)
 
 
+def test_options_in_the_name():
+    quantizer = make_quantizer("kivi2:sink_tokens=0:group_size=64")
+    assert quantizer.sink_tokens == 0 and quantizer.group_size == 64 and quantizer.name == "kivi2"
+    with pytest.raises(ValueError, match="name=integer pairs"):
+        make_quantizer("kivi2:sinks")
+
+
 def test_head_dim_the_codec_cannot_hold():
     with pytest.raises(ValueError, match="value group size"):
         make_quantizer("kivi4", value_group_size=24).check_head_dim(64)

@@ -94,6 +94,17 @@ _FACTORIES = {
 }
 
 
+def _parse_options(spec: str, name: str) -> dict[str, int]:
+    options = {}
+    for item in spec.split(":"):
+        option, equals, value = item.partition("=")
+        if not equals or not value.strip().lstrip("-").isdigit():
+            example = f"{name}:group_size=64:sink_tokens=0"
+            raise ValueError(f"quantizer options are name=integer pairs, e.g. {example}; got {item!r}")
+        options[option.strip()] = int(value)
+    return options
+
+
 def quantizer_names() -> list[str]:
     return ["kivi2", "kivi4", "int8", "fp8"]
 
@@ -101,13 +112,18 @@ def quantizer_names() -> list[str]:
 def make_quantizer(name: str | Quantizer | None, **options) -> Quantizer | None:
     """A quantizer by name, e.g. make_quantizer("kivi2", group_size=32, residual_length=128).
 
-    None or "none" means full precision. Unknown names and bad options raise ValueError.
+    None or "none" means full precision. A name may carry integer options after a colon, as on
+    the command line: "kivi2:sink_tokens=0:group_size=64". Unknown names and bad options raise
+    ValueError.
     """
     if name is None or isinstance(name, Quantizer):
         if options:
             raise ValueError("quantizer options need a quantizer name")
         return name
-    key = str(name).lower()
+    name, _, spec = str(name).partition(":")
+    if spec:
+        options = {**_parse_options(spec, name), **options}
+    key = name.lower()
     if key == "none":
         return None
     if key not in _FACTORIES:

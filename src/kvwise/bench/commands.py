@@ -59,9 +59,28 @@ def add_bench_parsers(workloads) -> None:
     ppl.add_argument("--quick", action="store_true", help="1024 tokens, one budget, fewer systems")
     ppl.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")
 
+    reuse = workloads.add_parser("reuse", help="prefix reuse: lookup cost, restore from tiers, RAG TTFT")
+    reuse.add_argument("--model", default=None)
+    reuse.add_argument("--requests", type=int, default=None, help="RAG requests (default 24; 8 with --quick)")
+    reuse.add_argument("--redis-url", default=None, help="a Redis to restore from (default: a throwaway local one)")
+    reuse.add_argument("--out", type=Path, default=Path("results"))
+    reuse.add_argument("--quick", action="store_true", help="a 20,000-block tree, 8 requests, 1,000-token restore")
+
 
 def run_bench(args) -> None:
-    {"niah": _niah, "ppl": _ppl}[args.workload](args)
+    {"niah": _niah, "ppl": _ppl, "reuse": _reuse}[args.workload](args)
+
+
+def _reuse(args) -> None:
+    from kvwise.bench.reuse import ReuseConfig, run_reuse
+
+    config = ReuseConfig(model=args.model, redis_url=args.redis_url)
+    if args.quick:
+        config.tree_blocks, config.requests, config.restore_tokens = 20_000, 8, 1000
+    _override(config, args, ("requests",))
+    run_reuse(config, args.out)
+    print((args.out / "reuse.md").read_text())
+    print(f"wrote {args.out / 'reuse.json'}")
 
 
 def _override(config, args, options) -> None:

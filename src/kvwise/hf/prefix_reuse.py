@@ -139,30 +139,33 @@ class PrefixReuse:
 
     # ---- internals -------------------------------------------------------------------------------
     def _promote(self, tokens: list[int], first: int, usable_blocks: int) -> list[Node]:
-        """Fetch blocks first.. from the tiers into the device pool until one misses."""
+        """Fetch blocks first.. from the tiers until one misses, then move them to the device at once."""
         if not self.tiers or first >= usable_blocks:
             return []
         keys = chain_keys(tokens[: usable_blocks * self.block_size], self.block_size, self.namespace)
-        promoted = []
+        found = []
         for index in range(first, usable_blocks):
-            found = self._fetch(keys[index])
-            if found is None or not self._make_room(1):
+            fetched = self._fetch(keys[index])
+            if fetched is None:
                 break
-            tier_name, data = found
-            (block,) = self.pool.allocate(1)
-            for layer in range(self.num_layers):
-                slots = torch.arange(block * self.block_size, (block + 1) * self.block_size, device=self.model.device)
-                self.storage.write(
-                    layer, slots, data[layer, 0].to(self.model.device), data[layer, 1].to(self.model.device)
-                )
-            path = self.tree.insert(tokens[: (index + 1) * self.block_size], [-1] * index + [block], self.namespace)
-            self.pool.release([block])
-            if len(path) <= index:
-                break
-            self.tree.lock([path[index]])
-            promoted.append(path[index])
+            found.append(fetched)
+        if not found or not self._make_room(len(found)):
+            return []
+        blocks = self.pool.allocate(len(found))
+        data = torch.stack([block for _, block in found]).to(self.model.device)  # [n, layers, 2, bs, heads, dim]
+        slots = (
+            (torch.tensor(blocks, device=self.model.device)[:, None] * self.block_size)
+            .add(torch.arange(self.block_size, device=self.model.device))
+            .flatten()
+        )
+        for layer in range(self.num_layers):
+            self.storage.write(layer, slots, data[:, layer, 0].flatten(0, 1), data[:, layer, 1].flatten(0, 1))
+        end = (first + len(found)) * self.block_size
+        path = self.tree.insert(tokens[:end], [-1] * first + blocks, self.namespace)
+        self.pool.release(blocks)  # the tree holds the blocks it kept
+        promoted = path[first:]
+        for (tier_name, _), _node in zip(found, promoted):
             self.stats.hits_tokens[tier_name] += self.block_size
-        self.tree.unlock(promoted)
         return promoted
 
     def _fetch(self, key: bytes) -> tuple[str, torch.Tensor] | None:

@@ -1,0 +1,243 @@
+"""`kvwise bench reuse`: what prefix reuse costs and saves.
+
+Three measurements, all in one run (../docs BENCHMARKS "rag" for the third):
+- lookup_us_per_token: `RadixCache.match_prefix` on a tree of `tree_blocks` blocks, per matched token;
+- restore_speedup: restoring a `restore_tokens` prefix from host RAM, disk and Redis into a
+  transformers cache, against recomputing its prefill;
+- rag: requests made of a shared system prompt (70% of them), a Zipf-popular document and a
+  question; prefill TTFT p50/p99 with reuse off and on, the token hit rate, and the achieved
+  speedup next to the bound 1/(1 - hit_rate).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvwise.bench.environment import system_info
+from kvwise.bench.haystack import read_haystack
+from kvwise.core.block_pool import BlockPool
+from kvwise.core.hashing import Namespace
+from kvwise.core.radix import RadixCache
+from kvwise.hf.prefix_reuse import PrefixReuse
+from kvwise.tiers.disk import DiskTier
+from kvwise.tiers.host import HostTier
+
+
+@dataclass
+class ReuseConfig:
+    model: str | None = None
+    dtype: str = "bfloat16"
+    block_size: int = 16
+    tree_blocks: int = 100_000
+    restore_tokens: int = 2000
+    requests: int = 24
+    shared_fraction: float = 0.7
+    system_prompt_tokens: int = 500
+    documents: int = 6
+    document_tokens: tuple[int, int] = (1000, 2000)
+    question_tokens: tuple[int, int] = (50, 200)
+    output_tokens: int = 32
+    zipf_exponent: float = 1.1
+    seed: int = 0
+    redis_url: str | None = None  # None: start a throwaway local redis-server if one is installed
+
+    def __post_init__(self):
+        if self.requests < 2 or self.tree_blocks < 1 or self.restore_tokens < self.block_size:
+            raise ValueError("need requests >= 2, tree_blocks >= 1 and restore_tokens >= block_size")
+        if not 0.0 <= self.shared_fraction <= 1.0:
+            raise ValueError(f"shared_fraction must be in [0, 1], got {self.shared_fraction}")
+
+
+def measure_lookup(tree_blocks: int, block_size: int, seed: int) -> float:
+    """Microseconds per matched token of match_prefix on a tree holding `tree_blocks` blocks."""
+    rng = random.Random(seed)
+    pool = BlockPool(tree_blocks, block_size)
+    tree = RadixCache(pool)
+    namespace = Namespace("lookup-bench", "tenant")
+    blocks_per_sequence = 128
+    sequences = []
+    for _ in range(tree_blocks // blocks_per_sequence):
+        tokens = [rng.randrange(50_000) for _ in range(blocks_per_sequence * block_size)]
+        blocks = pool.allocate(blocks_per_sequence)
+        tree.insert(tokens, blocks, namespace)
+        pool.release(blocks)
+        sequences.append(tokens)
+    probes = [rng.choice(sequences) for _ in range(200)]
+    started = time.perf_counter()
+    matched = sum(tree.match_prefix(tokens, namespace).length for tokens in probes)
+    return (time.perf_counter() - started) * 1e6 / max(matched, 1)
+
+
+def _prefill_seconds(model, ids: torch.Tensor) -> float:
+    started = time.perf_counter()
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=True)
+    return time.perf_counter() - started
+
+
+def measure_restore(model, ids: torch.Tensor, block_size: int, tiers: dict) -> dict[str, float]:
+    """Recompute time / restore time of ids' prefix, for each tier on its own."""
+    recompute = min(_prefill_seconds(model, ids[:, :-1]) for _ in range(2))
+    speedups = {}
+    for name, tier in tiers.items():
+        blocks = ids.shape[1] // block_size + 2
+        reuse = PrefixReuse(model, tenant="restore", block_size=block_size, device_blocks=blocks, tiers=[tier])
+        reuse.generate(ids, max_new_tokens=1, do_sample=False)
+        timings = []
+        for _ in range(2):
+            reuse.tree.clear()  # the device pool is empty: everything must come from the tier
+            started = time.perf_counter()
+            _, restored = reuse.prefill_cache(ids)
+            timings.append(time.perf_counter() - started)
+            if restored < (ids.shape[1] - 1) // block_size * block_size:
+                raise RuntimeError(f"the {name} tier restored only {restored} tokens")
+        speedups[name] = recompute / min(timings)
+    return speedups
+
+
+def rag_requests(tokenizer, config: ReuseConfig) -> list[torch.Tensor]:
+    """The RAG workload's prompts as token ids [1, n], deterministic for a seed."""
+    rng = random.Random(config.seed)
+    stream = tokenizer(read_haystack(), add_special_tokens=False).input_ids
+    cursor = 0
+
+    def take(count: int) -> list[int]:
+        nonlocal cursor
+        if cursor + count > len(stream):
+            raise ValueError("the essays are too short for this RAG configuration")
+        piece = stream[cursor : cursor + count]
+        cursor += count
+        return piece
+
+    system_prompt = take(config.system_prompt_tokens)
+    documents = [take(rng.randint(*config.document_tokens)) for _ in range(config.documents)]
+    weights = [1.0 / (rank + 1) ** config.zipf_exponent for rank in range(config.documents)]
+    requests = []
+    for _ in range(config.requests):
+        shared = rng.random() < config.shared_fraction
+        document = rng.choices(documents, weights)[0]
+        question = take(rng.randint(*config.question_tokens))
+        prefix = system_prompt if shared else take(config.system_prompt_tokens)  # a one-off prompt
+        requests.append(torch.tensor([prefix + document + question]))
+    return requests
+
+
+def run_rag(model, requests: list[torch.Tensor], config: ReuseConfig, progress) -> dict:
+    """TTFT with reuse off and on, over the same requests in the same order."""
+    blocks_needed = sum(ids.shape[1] for ids in requests) // config.block_size + len(requests)
+    reuse = PrefixReuse(model, tenant="rag", block_size=config.block_size, device_blocks=blocks_needed)
+    ttft_off, ttft_on = [], []
+    for ids in requests:
+        ttft_off.append(_prefill_seconds(model, ids))
+        progress.update()
+    for ids in requests:
+        started = time.perf_counter()
+        cache, _ = reuse.prefill_cache(ids)
+        with torch.no_grad():
+            model(input_ids=ids[:, cache.get_seq_length() :], cache=cache, use_cache=True)
+        ttft_on.append(time.perf_counter() - started)
+        reuse.store(ids, cache)
+        progress.update()
+    prompt_tokens = sum(ids.shape[1] for ids in requests)
+    hit_rate = sum(reuse.stats.hits_tokens.values()) / prompt_tokens
+    p50_off, p50_on = statistics.median(ttft_off), statistics.median(ttft_on)
+    return {
+        "requests": len(requests),
+        "prompt_tokens": prompt_tokens,
+        "hit_rate": hit_rate,
+        "ttft_p50_s_off": p50_off,
+        "ttft_p50_s_on": p50_on,
+        "ttft_p99_s_off": _percentile(ttft_off, 0.99),
+        "ttft_p99_s_on": _percentile(ttft_on, 0.99),
+        "speedup": p50_off / p50_on,
+        "bound": 1.0 / max(1.0 - hit_rate, 1e-9),
+    }
+
+
+def _percentile(values: list[float], fraction: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
+
+
+def run_reuse(config: ReuseConfig, out_dir: Path) -> dict:
+    from kvwise.models import load_model
+
+    model, tokenizer = load_model(config.model, dtype=config.dtype)
+    model.set_attn_implementation("sdpa")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    lookup = measure_lookup(config.tree_blocks, config.block_size, config.seed)
+    requests = rag_requests(tokenizer, config)
+    restore_ids = tokenizer(read_haystack(), return_tensors="pt", add_special_tokens=False).input_ids
+    restore_ids = restore_ids[:, -(config.restore_tokens + 1) :]
+    with tempfile.TemporaryDirectory() as scratch, tqdm(total=2 * len(requests), desc="rag", unit="request") as bar:
+        tiers = {"host": HostTier(capacity_bytes=8 << 30), "disk": DiskTier(Path(scratch) / "disk")}
+        server = _redis_tier(config, Path(scratch), tiers)
+        try:
+            restore = measure_restore(model, restore_ids, config.block_size, tiers)
+        finally:
+            if server is not None:
+                server.stop()
+        rag = run_rag(model, requests, config, bar)
+    report = {
+        "workload": "reuse",
+        "config": asdict(config),
+        "system": system_info(model.device),
+        "lookup_us_per_token": lookup,
+        "restore_speedup": restore,
+        "rag": rag,
+        "results": [],
+    }
+    (out_dir / "reuse.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "reuse.md").write_text(markdown(report))
+    return report
+
+
+def _redis_tier(config: ReuseConfig, scratch: Path, tiers: dict):
+    """Add a Redis tier: the given URL, or a throwaway local server (returned, to stop it)."""
+    from kvwise.tiers.redis_tier import RedisTier
+
+    server, url = None, config.redis_url
+    if url is None:
+        from kvwise.tiers.local_redis import start_redis
+
+        try:
+            server = start_redis(scratch / "redis")
+        except RuntimeError as error:
+            print(f"skipping the Redis tier: {error}")
+            return None
+        url = server.url
+    tiers["redis"] = RedisTier(url, hmac_key="kvwise-bench", ttl_seconds=600)
+    return server
+
+
+def markdown(report: dict) -> str:
+    config, rag = report["config"], report["rag"]
+    lines = [
+        f"Prefix reuse, model={config['model'] or 'SmolLM2-135M-Instruct'} ({config['dtype']}), "
+        f"block size {config['block_size']}",
+        f"system: kvwise {report['system']['kvwise']}, {report['system']['device']} ({report['system']['hardware']})",
+        "",
+        f"- lookup: {report['lookup_us_per_token']:.3f} us per matched token "
+        f"on a tree of {config['tree_blocks']:,} blocks",
+        f"- restore a {config['restore_tokens']}-token prefix instead of recomputing it: "
+        + ", ".join(f"{tier} {speedup:.1f}x" for tier, speedup in report["restore_speedup"].items()),
+        f"- RAG, {rag['requests']} requests ({rag['prompt_tokens']:,} prompt tokens): hit rate {rag['hit_rate']:.3f}",
+        "",
+        "| reuse | TTFT p50 (s) | TTFT p99 (s) |",
+        "|---|---|---|",
+        f"| off | {rag['ttft_p50_s_off']:.3f} | {rag['ttft_p99_s_off']:.3f} |",
+        f"| on | {rag['ttft_p50_s_on']:.3f} | {rag['ttft_p99_s_on']:.3f} |",
+        "",
+        f"p50 speedup {rag['speedup']:.2f}x; bound 1/(1 - hit rate) = {rag['bound']:.2f}x "
+        f"({rag['speedup'] / rag['bound']:.2f} of the bound)",
+    ]
+    return "\n".join(lines) + "\n"

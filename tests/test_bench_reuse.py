@@ -1,0 +1,44 @@
+"""Pieces of `kvwise bench reuse` that run in milliseconds; the whole bench runs in results/."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwise.bench.reuse import ReuseConfig, markdown, measure_lookup
+
+
+def test_lookup_cost_is_measured_per_matched_token():
+    cost = measure_lookup(tree_blocks=2048, block_size=16, seed=0)
+    assert 0 < cost < 50  # microseconds per token; the bench's target is 2 on 100,000 blocks
+
+
+def test_bad_reuse_configs():
+    with pytest.raises(ValueError, match="shared_fraction"):
+        ReuseConfig(shared_fraction=1.5)
+    with pytest.raises(ValueError, match="requests >= 2"):
+        ReuseConfig(requests=1)
+
+
+def test_report_states_speedup_against_the_bound():
+    report = {
+        "config": {"model": None, "dtype": "bfloat16", "block_size": 16, "tree_blocks": 100, "restore_tokens": 2000},
+        "system": {"kvwise": "0", "device": "cpu", "hardware": "x"},
+        "lookup_us_per_token": 0.1,
+        "restore_speedup": {"host": 90.0, "disk": 20.0},
+        "rag": {
+            "requests": 4,
+            "prompt_tokens": 100,
+            "hit_rate": 0.5,
+            "ttft_p50_s_off": 2.0,
+            "ttft_p50_s_on": 1.25,
+            "ttft_p99_s_off": 2.5,
+            "ttft_p99_s_on": 2.0,
+            "speedup": 1.6,
+            "bound": 2.0,
+        },
+    }
+    text = markdown(report)
+    assert (
+        "host 90.0x, disk 20.0x" in text
+        and "p50 speedup 1.60x; bound 1/(1 - hit rate) = 2.00x (0.80 of the bound)" in text
+    )

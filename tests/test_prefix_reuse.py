@@ -103,3 +103,17 @@ def test_redis_stopped_mid_run_still_serves_correctly(llama, tmp_path):
         assert redis_tier.stats.errors > 0
     finally:
         server.stop()
+
+
+def test_prefetch_pulls_slow_blocks_into_host_ram(llama, tmp_path):
+    llama.set_attn_implementation("sdpa")
+    ids = prompts()[0]
+    host, disk = HostTier(capacity_bytes=1 << 30), DiskTier(tmp_path)
+    reuse = PrefixReuse(llama, block_size=8, device_blocks=16, tiers=[host, disk])
+    reuse.generate(ids, **GENERATE)
+    reuse.tree.clear()
+    for key in list(host._blocks):
+        host.delete(key)  # only the disk holds the prefix now
+    assert reuse.prefetch(ids).result(timeout=30) == 5
+    assert torch.equal(reuse.generate(ids, **GENERATE), plain_generate(llama, ids))
+    assert reuse.stats.hits_tokens["host"] == 40 and reuse.stats.hits_tokens["disk"] == 0

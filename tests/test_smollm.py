@@ -67,3 +67,17 @@ def test_cli_generate_reports_bytes(capsys):
     )
     err = capsys.readouterr().err
     assert "kv_bytes_before=" in err and "kv_bytes_after=" in err
+
+
+def test_prefix_reuse_keeps_greedy_tokens_on_smollm(smollm):
+    from kvwise.hf.prefix_reuse import PrefixReuse
+
+    model, tokenizer = smollm
+    essay = read_haystack()[:3000]
+    reuse = PrefixReuse(model, tenant="test", block_size=16, device_blocks=128)
+    for question in ("Who wrote this?", "What is the main point?"):
+        ids = tokenizer(essay + "\n\n" + question, return_tensors="pt").input_ids
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=12, do_sample=False)
+        assert torch.equal(reuse.generate(ids, max_new_tokens=12, do_sample=False), expected)
+    assert reuse.stats.hits_tokens["device"] > 500  # the second prompt reused the essay

@@ -8,7 +8,8 @@ block in the tiers (host, disk, Redis, in the order given); blocks found below a
 the device. Only the rest of the prompt is computed. After generation the prompt's new full
 blocks are stored. A block evicted from the device pool is written to every tier (write-through
 at eviction). A tier that is down, full or returns a corrupt block simply misses: the block is
-recomputed. Greedy outputs are the same with and without reuse.
+recomputed. Greedy outputs are the same with and without reuse. `prefetch(input_ids)` pulls a
+prompt's blocks from the slow tiers into host RAM in the background while the request waits.
 
 Device blocks hold [block_size, num_kv_heads, head_dim] per layer in `PagedKVStorage`, zeroed
 when freed. Keys chain the block's tokens, the model, the tenant and the KV dtype.
@@ -17,6 +18,7 @@ when freed. Keys chain the block's tokens, the model, the tenant and the KV dtyp
 from __future__ import annotations
 
 from collections import Counter
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +86,7 @@ class PrefixReuse:
         self.tree = RadixCache(self.pool, eviction=eviction, on_evict=self._spill)
         self.tiers = list(tiers)
         self.stats = ReuseStats()
+        self._prefetcher: ThreadPoolExecutor | None = None
 
     # ---- the one-call API ------------------------------------------------------------------------
     @torch.no_grad()
@@ -136,6 +139,30 @@ class PrefixReuse:
         path = self.tree.insert(tokens[: full_blocks * self.block_size], [-1] * known + blocks, self.namespace)
         self.pool.release(blocks)  # the tree holds its own reference to the blocks it kept
         return max(0, len(path) - known)
+
+    def prefetch(self, input_ids: torch.Tensor) -> Future:
+        """Start pulling the blocks of `input_ids`' cached prefix that sit in slow tiers (disk,
+        Redis) up into the first tier (host RAM), in a background thread, so the request's
+        `prefill_cache` finds them there. Returns a Future of the number of blocks moved."""
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwise-prefetch")
+        tokens = input_ids[0].tolist()
+        return self._prefetcher.submit(self._prefetch_blocks, tokens)
+
+    def _prefetch_blocks(self, tokens: list[int]) -> int:
+        if len(self.tiers) < 2:
+            return 0
+        usable_blocks = (len(tokens) - 1) // self.block_size
+        keys = chain_keys(tokens[: usable_blocks * self.block_size], self.block_size, self.namespace)
+        near, moved = self.tiers[0], 0
+        for key in keys:
+            if near.exists(key):
+                continue
+            found = next((block for block in (tier.get(key) for tier in self.tiers[1:]) if block is not None), None)
+            if found is None or not near.put(key, found):
+                break  # a prefix ends at its first missing block
+            moved += 1
+        return moved
 
     # ---- internals -------------------------------------------------------------------------------
     def _promote(self, tokens: list[int], first: int, usable_blocks: int) -> list[Node]:

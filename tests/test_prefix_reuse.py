@@ -84,6 +84,9 @@ def test_a_corrupt_disk_block_is_recomputed(llama, tmp_path):
         path.write_bytes(bytes(data))
     assert torch.equal(reuse.generate(ids, **GENERATE), plain_generate(llama, ids))
     assert disk.stats.corrupt >= 1 and reuse.stats.recomputed_blocks >= 1
+    report = reuse.report()
+    assert report["corrupt"]["disk"] == disk.stats.corrupt and report["bytes_held"]["device"] > 0
+    assert set(report) >= {"hits_tokens", "hit_rate", "spill_ratio", "evictions", "errors"}
 
 
 def test_redis_stopped_mid_run_still_serves_correctly(llama, tmp_path):

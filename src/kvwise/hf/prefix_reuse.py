@@ -140,6 +140,23 @@ class PrefixReuse:
         self.pool.release(blocks)  # the tree holds its own reference to the blocks it kept
         return max(0, len(path) - known)
 
+    def report(self) -> dict:
+        """Everything measured, for logs and metrics: lookups, hits per tier, hit rate, spill
+        ratio, evictions, bytes held per tier (device included), corrupt entries, tier errors."""
+        block_bytes = self.storage.nbytes() // self.pool.num_blocks
+        return {
+            "queries_tokens": self.stats.queries_tokens,
+            "hits_tokens": dict(self.stats.hits_tokens),
+            "hit_rate": self.stats.hit_rate,
+            "spill_ratio": self.stats.spill_ratio,
+            "evictions": self.stats.evictions,
+            "recomputed_blocks": self.stats.recomputed_blocks,
+            "bytes_held": {"device": self.pool.stats().used * block_bytes}
+            | {tier.name: tier.stats.bytes_held for tier in self.tiers},
+            "corrupt": {tier.name: tier.stats.corrupt for tier in self.tiers},
+            "errors": {tier.name: tier.stats.errors for tier in self.tiers},
+        }
+
     def prefetch(self, input_ids: torch.Tensor) -> Future:
         """Start pulling the blocks of `input_ids`' cached prefix that sit in slow tiers (disk,
         Redis) up into the first tier (host RAM), in a background thread, so the request's

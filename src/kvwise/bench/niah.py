@@ -23,6 +23,7 @@ from kvwise.bench.haystack import (
     read_haystack,
     trial_grid,
 )
+from kvwise.bench.partial import read_partial
 from kvwise.hf.cache import KVWiseCache, check_ratio, full_kv_bytes
 from kvwise.hf.generation import greedy_continue
 from kvwise.kv.quantizer import make_quantizer
@@ -161,25 +162,12 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
 
 def _load_partial(path: Path, config: NiahConfig) -> dict:
     """Rows of an earlier run with the same configuration, keyed by cell and trial."""
-    if not path.exists():
-        return {}
-    lines = path.read_text().splitlines()
-    if not lines:
-        return {}
-    try:
-        header = json.loads(lines[0])
-    except json.JSONDecodeError:
-        return {}
-    comparable = {k: v for k, v in asdict(config).items() if k not in ("policies", "ratios")}
-    previous = {k: v for k, v in header.get("config", {}).items() if k not in ("policies", "ratios")}
-    if comparable != previous:
-        path.unlink()
-        return {}
-    done = {}
-    for line in lines[1:]:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by an interruption
-        done[(row["policy"], row["ratio"], row["length"], row["depth"], row["trial"])] = row
-    return done
+
+    def comparable(settings: dict) -> dict:
+        return {name: value for name, value in settings.items() if name not in ("policies", "ratios")}
+
+    return read_partial(
+        path,
+        lambda previous: comparable(previous) == comparable(asdict(config)),
+        lambda row: (row["policy"], row["ratio"], row["length"], row["depth"], row["trial"]),
+    )

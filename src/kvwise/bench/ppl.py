@@ -21,6 +21,7 @@ from tqdm import tqdm
 from kvwise.bench.environment import system_info
 from kvwise.bench.haystack import read_haystack
 from kvwise.bench.hf_peers import backend_available, hf_cache_bytes, make_hf_quantized_cache
+from kvwise.bench.partial import read_partial
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.policies.registry import make_policy
@@ -210,22 +211,5 @@ def _key(entry: dict) -> str:
 
 def _load_partial(path: Path, config: PplConfig) -> dict:
     """Rows of an earlier run on the same tokens, model and dtype, keyed by system and config."""
-    if not path.exists():
-        return {}
-    lines = path.read_text().splitlines()
-    try:
-        header = json.loads(lines[0]) if lines else {}
-    except json.JSONDecodeError:
-        header = {}
     same = ("tokens", "chunk", "model", "dtype", "haystack_dir", "repeats")
-    if any(header.get("config", {}).get(name) != getattr(config, name) for name in same):
-        path.unlink()
-        return {}
-    done = {}
-    for line in lines[1:]:
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a line cut short by an interruption
-        done[_key(row)] = row
-    return done
+    return read_partial(path, lambda previous: all(previous.get(n) == getattr(config, n) for n in same), _key)

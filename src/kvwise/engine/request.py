@@ -1,0 +1,50 @@
+"""A request's state inside the engine: tokens, progress, blocks, and where it waits."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+from kvwise.core.radix import Node
+from kvwise.engine.sampling import SamplingParams
+
+_ids = itertools.count()
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False)
+class Request:
+    """prompt: token ids; blocks: the block table (pool ids, one per block_size tokens held)."""
+
+    prompt: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    tenant: str = "default"
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival: float = field(default_factory=time.monotonic)
+    status: Status = Status.WAITING
+    output: list[int] = field(default_factory=list)
+    computed: int = 0  # tokens whose KV is in the pool (reused prefix included)
+    reused: int = 0  # of those, tokens matched in the prefix cache
+    blocks: list[int] = field(default_factory=list)
+    locked_nodes: list[Node] = field(default_factory=list)
+    preemptions: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt + self.output
+
+    @property
+    def prefilling(self) -> bool:
+        return self.computed < len(self.prompt)
+
+    @property
+    def done(self) -> bool:
+        return self.status in (Status.FINISHED, Status.CANCELLED)

@@ -1,0 +1,190 @@
+"""`Scheduler`: continuous batching over the block pool.
+
+Each step gets a token budget. Running requests that are decoding take one token each first;
+the rest of the budget goes to prefill chunks (chunked prefill mixed with decode steps): the
+running requests still prefilling, then waiting requests admitted in cache-aware order (longest
+cached prefix first; plain first-come-first-served once the queue is longer than
+`fcfs_queue_length`, so nobody starves under load). A request admitted reuses its cached
+prefix blocks from the radix tree (locked while it runs).
+
+Memory is checked before it is taken. When a step cannot get the blocks it needs, the prefix
+cache gives up unlocked blocks first; if that is not enough, the most recently admitted running
+request is preempted: its blocks are released and it goes back to the front of the queue to be
+recomputed (its cached prefix usually survives in the tree).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvwise.core.block_pool import BlockPool
+from kvwise.core.hashing import Namespace
+from kvwise.core.radix import RadixCache
+from kvwise.engine.request import Request, Status
+
+
+@dataclass
+class Chunk:
+    """Tokens [start, end) of `request.tokens` to compute this step."""
+
+    request: Request
+    start: int
+    end: int
+
+
+@dataclass
+class Step:
+    decodes: list[Chunk] = field(default_factory=list)
+    prefills: list[Chunk] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.decodes + self.prefills
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(chunk.end - chunk.start for chunk in self.chunks)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        pool: BlockPool,
+        tree: RadixCache | None,
+        namespace_of,
+        token_budget: int = 512,
+        max_running: int = 64,
+        fcfs_queue_length: int = 32,
+    ):
+        """namespace_of(request) -> Namespace: the request's prefix namespace (tenant, model, format)."""
+        if token_budget < 1 or max_running < 1:
+            raise ValueError("token_budget and max_running must be positive")
+        self.pool, self.tree, self.namespace_of = pool, tree, namespace_of
+        self.block_size = pool.block_size
+        self.token_budget, self.max_running, self.fcfs_queue_length = token_budget, max_running, fcfs_queue_length
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    # ---- queue ---------------------------------------------------------------------------------
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def cancel(self, request: Request) -> None:
+        """Stop a request wherever it is and free what it holds."""
+        if request in self.waiting:
+            self.waiting.remove(request)
+        if request in self.running:
+            self.running.remove(request)
+            self._release(request)
+        request.status = Status.CANCELLED
+
+    def finish(self, request: Request) -> None:
+        """A finished request's full prompt blocks go to the prefix cache, then its blocks are released."""
+        self.running.remove(request)
+        if self.tree is not None:
+            full = request.computed // self.block_size * self.block_size
+            self.tree.insert(request.tokens[:full], request.blocks, self.namespace_of(request))
+        self._release(request)
+        request.status = Status.FINISHED
+
+    # ---- one step ------------------------------------------------------------------------------
+    def schedule(self) -> Step:
+        step, budget = Step(), self.token_budget
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if not request.prefilling and request not in step.preempted:
+                if self._reserve(request, request.computed + 1, step, may_preempt=True):
+                    step.decodes.append(Chunk(request, request.computed, request.computed + 1))
+                    budget -= 1
+        for request in [r for r in self.running if r.prefilling]:
+            budget = self._schedule_prefill(request, budget, step)
+        while budget > 0 and self.waiting and len(self.running) < self.max_running:
+            request = self._next_waiting()
+            self._admit(request)
+            before = budget
+            budget = self._schedule_prefill(request, budget, step)
+            if budget == before and request.prefilling:  # no memory for it yet: back to the front
+                self.running.remove(request)
+                self._release(request)
+                request.computed = request.reused = 0
+                request.status = Status.WAITING
+                self.waiting.appendleft(request)
+                break
+        return step
+
+    def complete(self, chunk: Chunk, token: int | None) -> None:
+        """Record a computed chunk; `token` is what was sampled after it (None mid-prompt)."""
+        request = chunk.request
+        request.computed = chunk.end
+        if token is not None and not request.prefilling:
+            request.output.append(token)
+
+    def _schedule_prefill(self, request: Request, budget: int, step: Step) -> int:
+        if budget == 0 or request not in self.running:
+            return budget
+        end = min(len(request.prompt), request.computed + budget)
+        if end > request.computed and self._reserve(request, end, step):
+            step.prefills.append(Chunk(request, request.computed, end))
+            budget -= end - request.computed
+        return budget
+
+    def _next_waiting(self) -> Request:
+        if self.tree is None or len(self.waiting) > self.fcfs_queue_length:
+            return self.waiting.popleft()
+        best = max(self.waiting, key=lambda r: self.tree.match_prefix(r.prompt[:-1], self.namespace_of(r)).length)
+        self.waiting.remove(best)
+        return best
+
+    def _admit(self, request: Request) -> None:
+        request.status = Status.RUNNING
+        if self.tree is not None:
+            match = self.tree.match_prefix(request.prompt[:-1], self.namespace_of(request))
+            self.tree.lock(match.nodes)
+            self.pool.incref(match.blocks)
+            request.locked_nodes, request.blocks = match.nodes, match.blocks
+            request.computed = request.reused = match.length
+        self.running.append(request)
+
+    # ---- memory ------------------------------------------------------------------------------
+    def _reserve(self, request: Request, tokens: int, step: Step, may_preempt: bool = False) -> bool:
+        """Blocks for `tokens` tokens of `request`: evicts cached prefixes, then (for requests
+        already decoding, never to admit a newcomer) preempts the most recently admitted one."""
+        needed = -(-tokens // self.block_size) - len(request.blocks)
+        if needed <= 0:
+            return True
+        if not self.pool.can_allocate(needed) and self.tree is not None:
+            self.tree.evict(needed - self.pool.num_free)
+        while not self.pool.can_allocate(needed):
+            victim = next((r for r in reversed(self.running) if r is not request), None) if may_preempt else None
+            if victim is None:
+                return False
+            self._preempt(victim, step)
+        request.blocks += self.pool.allocate(needed)
+        return True
+
+    def _preempt(self, request: Request, step: Step) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.computed = request.reused = 0
+        request.output = []  # recomputed from the prompt (greedy/seeded outputs come out the same)
+        request.status = Status.WAITING
+        request.preemptions += 1
+        self.waiting.appendleft(request)
+        step.preempted.append(request)
+        step.decodes = [chunk for chunk in step.decodes if chunk.request is not request]
+        step.prefills = [chunk for chunk in step.prefills if chunk.request is not request]
+
+    def _release(self, request: Request) -> None:
+        if self.tree is not None and request.locked_nodes:
+            self.tree.unlock(request.locked_nodes)
+        if request.blocks:
+            self.pool.release(request.blocks)
+        request.blocks, request.locked_nodes = [], []
+
+
+def default_namespace(model_id: str, kv_format: str = ""):
+    """namespace_of for a scheduler: each request's own tenant."""
+    return lambda request: Namespace(model_id, request.tenant, kv_format)

@@ -1,0 +1,88 @@
+"""Continuous batching: budgets, chunked prefill, cache-aware order, preemption, no leaks."""
+
+from __future__ import annotations
+
+from kvwise.core.block_pool import BlockPool
+from kvwise.core.radix import RadixCache
+from kvwise.engine.request import Request, Status
+from kvwise.engine.sampling import SamplingParams
+from kvwise.engine.scheduler import Scheduler, default_namespace
+
+BLOCK = 4
+
+
+def make(num_blocks=64, budget=16, **options):
+    pool = BlockPool(num_blocks, BLOCK)
+    tree = RadixCache(pool)
+    return pool, tree, Scheduler(pool, tree, default_namespace("m"), token_budget=budget, **options)
+
+
+def run_step(scheduler, step, max_tokens=3):
+    """Pretend to compute: every chunk that ends a prompt or decodes samples token 7."""
+    for chunk in step.chunks:
+        scheduler.complete(chunk, 7 if chunk.end >= len(chunk.request.prompt) else None)
+        request = chunk.request
+        if len(request.output) >= max_tokens and request in scheduler.running:
+            scheduler.finish(request)
+
+
+def test_decodes_first_then_chunked_prefill_within_the_budget():
+    _, _, scheduler = make(budget=10)
+    short, long = Request(list(range(5))), Request(list(range(100, 130)))
+    scheduler.add(short)
+    scheduler.add(long)
+    first = scheduler.schedule()
+    assert first.num_tokens <= 10 and [c.request for c in first.prefills] == [short, long]
+    run_step(scheduler, first)
+    second = scheduler.schedule()
+    assert [c.request for c in second.decodes] == [short]  # short decodes while long still prefills
+    assert second.prefills[0].request is long and second.prefills[0].start == 5
+    assert second.num_tokens <= 10
+
+
+def test_cache_aware_order_then_fcfs_under_a_long_queue():
+    _, tree, scheduler = make(budget=64, fcfs_queue_length=2)
+    warm = Request(list(range(20)))
+    scheduler.add(warm)
+    while not warm.done:
+        run_step(scheduler, scheduler.schedule())
+    cold, hot = Request(list(range(500, 520))), Request(list(range(20)) + [9])
+    scheduler.add(cold)
+    scheduler.add(hot)
+    step = scheduler.schedule()
+    assert step.prefills[0].request is hot and hot.reused == 20  # the cached prefix first, and reused
+    _, _, fcfs = make(budget=8, fcfs_queue_length=0)
+    first, second = Request(list(range(600, 608))), Request(list(range(20)))
+    fcfs.add(first)
+    fcfs.add(second)
+    assert fcfs.schedule().prefills[0].request is first
+
+
+def test_memory_pressure_preempts_the_newest_and_requeues_it():
+    pool, _, scheduler = make(num_blocks=6, budget=32)
+    older, newer = Request(list(range(12))), Request(list(range(50, 62)))
+    scheduler.add(older)
+    scheduler.add(newer)
+    run_step(scheduler, scheduler.schedule(), max_tokens=99)  # both prefilled: 3 + 3 blocks, pool full
+    step = scheduler.schedule()  # older needs a 4th block for its 13th token
+    assert step.preempted == [newer] and newer.status is Status.WAITING and scheduler.waiting[0] is newer
+    assert [c.request for c in step.decodes] == [older] and newer.blocks == []
+    assert pool.stats().free + pool.stats().used == pool.stats().total
+
+
+def test_no_leak_after_many_requests_with_cancellations():
+    pool, tree, scheduler = make(num_blocks=40, budget=24)
+    requests = [Request(list(range(i % 5, i % 5 + 12 + i % 7)), SamplingParams()) for i in range(60)]
+    for index, request in enumerate(requests):
+        scheduler.add(request)
+        step = scheduler.schedule()
+        run_step(scheduler, step)
+        if index % 7 == 0:
+            scheduler.cancel(request)
+    while scheduler.running or scheduler.waiting:
+        run_step(scheduler, scheduler.schedule())
+    assert all(r.done for r in requests)
+    held = {node.block for node in tree.nodes()}
+    for block, refs in enumerate(pool.ref_counts):
+        assert refs == (1 if block in held else 0)  # free, or held only by the prefix cache
+    assert all(node.locks == 0 for node in tree.nodes())

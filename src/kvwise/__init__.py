@@ -1,5 +1,7 @@
 """kvwise: KV-cache management for LLM inference (reuse, eviction, compression, tiers)."""
 
+from kvwise.engine.llm import LLM, CacheConfig
+from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import KVWiseCache
 from kvwise.kv.quantizer import make_quantizer, quantizer_names
 from kvwise.models import load_model
@@ -8,6 +10,9 @@ from kvwise.policies.registry import make_policy, policy_names
 __version__ = "0.1.0"
 
 __all__ = [
+    "LLM",
+    "CacheConfig",
+    "SamplingParams",
     "KVWiseCache",
     "load_model",
     "make_policy",

@@ -6,6 +6,7 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 from kvwise.core.radix import Node
 from kvwise.engine.sampling import SamplingParams
@@ -36,6 +37,10 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     locked_nodes: list[Node] = field(default_factory=list)
     preemptions: int = 0
+    index: int = 0  # which of the prompt's `n` completions this is
+    generator: Any = None  # a torch.Generator when the request has a seed
+    logprobs: list[dict[int, float]] | None = None
+    completion: Any = None  # the CompletionOutput once finished
 
     @property
     def tokens(self) -> list[int]:

@@ -1,0 +1,46 @@
+"""The offline `LLM` API on the embedded SmolLM2: greedy equals transformers, sampling options work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvwise import LLM, CacheConfig, SamplingParams
+
+pytestmark = pytest.mark.smollm
+
+
+@pytest.fixture
+def llm(smollm):
+    model, tokenizer = smollm
+    engine = LLM(model, CacheConfig(block_size=16, num_blocks=256, token_budget=128), tokenizer=tokenizer)
+    yield engine
+    model.set_attn_implementation("kvwise")  # the session's model goes back to the cache's attention
+
+
+def test_greedy_batch_matches_generate(llm, smollm):
+    model, tokenizer = smollm
+    prompts = ["The capital of France is", "Write one word about the sea:", "1, 2, 3, 4,"]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
+    model.set_attn_implementation("sdpa")
+    for prompt, output in zip(prompts, outputs):
+        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=10, do_sample=False)[0, ids.shape[1] :].tolist()
+        assert output.outputs[0].token_ids == expected
+        assert output.outputs[0].finish_reason == "length"
+
+
+def test_n_seeds_logprobs_and_stop(llm):
+    params = SamplingParams(temperature=0.9, max_tokens=8, n=2, seed=5, logprobs=2)
+    first = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    again = llm.generate("Once upon a time", params, use_tqdm=False)[0]
+    assert len(first.outputs) == 2 and [o.token_ids for o in first.outputs] == [o.token_ids for o in again.outputs]
+    assert all(len(o.logprobs) == len(o.token_ids) for o in first.outputs if o.finish_reason == "length")
+    stopped = llm.generate("1, 2, 3, 4,", SamplingParams(temperature=0, max_tokens=20, stop=[","]), use_tqdm=False)
+    assert stopped[0].outputs[0].finish_reason == "stop" and "," not in stopped[0].outputs[0].text
+
+
+def test_prompt_longer_than_the_context(llm):
+    with pytest.raises(ValueError, match="maximum context is 8192"):
+        llm.generate([[1] * 8190], SamplingParams(max_tokens=10), use_tqdm=False)

@@ -66,9 +66,31 @@ def add_bench_parsers(workloads) -> None:
     reuse.add_argument("--out", type=Path, default=Path("results"))
     reuse.add_argument("--quick", action="store_true", help="a 20,000-block tree, 8 requests, 1,000-token restore")
 
+    throughput = workloads.add_parser("throughput", help="the engine against transformers generate loops")
+    throughput.add_argument("--model", default=None)
+    throughput.add_argument("--dtype", default=None, help="model dtype (default: the model's, float32 on CPU)")
+    throughput.add_argument("--requests", type=int, default=None, help="requests (default 32; 8 with --quick)")
+    throughput.add_argument("--systems", type=names, default=None, help="hf-sequential,hf-batched,kvwise")
+    throughput.add_argument("--out", type=Path, default=Path("results"))
+    throughput.add_argument("--quick", action="store_true", help="8 requests of 64-128 tokens, 16 new tokens")
+
 
 def run_bench(args) -> None:
-    {"niah": _niah, "ppl": _ppl, "reuse": _reuse}[args.workload](args)
+    {"niah": _niah, "ppl": _ppl, "reuse": _reuse, "throughput": _throughput}[args.workload](args)
+
+
+def _throughput(args) -> None:
+    from kvwise.bench.throughput import ThroughputConfig, run_throughput
+
+    config = ThroughputConfig(model=args.model, dtype=args.dtype)
+    if args.quick:
+        config.requests, config.min_prompt, config.max_prompt, config.new_tokens = 8, 64, 128, 16
+    if args.systems is not None:
+        args.systems = tuple(args.systems)
+    _override(config, args, ("requests", "systems"))
+    run_throughput(config, args.out)
+    print((args.out / "throughput.md").read_text())
+    print(f"wrote {args.out / 'throughput.json'}")
 
 
 def _reuse(args) -> None:

@@ -11,6 +11,7 @@ prompt prefixes are computed once.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -40,6 +41,7 @@ class RequestOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput] = field(default_factory=list)
+    requests: list = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -76,6 +78,7 @@ class LLM:
             self.pool, self.tree, default_namespace(model_id, str(dtype)), config.token_budget, config.max_running
         )
         self.runner = ModelRunner(model, self.storage)
+        self.peak_blocks = 0  # most blocks in use at once (benchmarks report peak KV memory)
 
     # ---- the offline API -----------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
@@ -94,6 +97,7 @@ class LLM:
         self._run(sum(len(group) for group in groups), use_tqdm)
         for output, group in zip(outputs, groups):
             output.outputs = [request.completion for request in group]
+            output.requests = group  # timings and reuse, for benchmarks
         return outputs
 
     def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
@@ -143,6 +147,7 @@ class LLM:
                 if not step.chunks:
                     raise RuntimeError("the block pool is too small for the next request")
                 logits = self.runner.forward(step.chunks)
+                self.peak_blocks = max(self.peak_blocks, self.pool.stats().used)
                 finishing = [chunk for chunk in step.chunks if chunk.end >= len(chunk.request.prompt)]
                 rows = [index for index, chunk in enumerate(step.chunks) if chunk in finishing]
                 sampled = sample(
@@ -154,11 +159,14 @@ class LLM:
                 for chunk, token in zip(finishing, sampled):
                     request = chunk.request
                     self.scheduler.complete(chunk, token.token)
+                    if request.first_token_time is None:
+                        request.first_token_time = time.monotonic()
                     if request.logprobs is not None:
                         request.logprobs.append({token.token: token.logprob, **token.top})
                     reason = self._finish_reason(request, token.token, eos)
                     if reason is not None:
                         request.completion = self._completion(request, reason)
+                        request.finish_time = time.monotonic()
                         self.scheduler.finish(request)
                         progress.update()
 

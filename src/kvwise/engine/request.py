@@ -41,6 +41,8 @@ class Request:
     generator: Any = None  # a torch.Generator when the request has a seed
     logprobs: list[dict[int, float]] | None = None
     completion: Any = None  # the CompletionOutput once finished
+    first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
+    finish_time: float | None = None
 
     @property
     def tokens(self) -> list[int]:

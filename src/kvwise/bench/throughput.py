@@ -1,0 +1,192 @@
+"""`kvwise bench throughput`: the engine against the usual transformers `generate` loops.
+
+Workload (../docs BENCHMARKS "throughput"): 32 requests, prompt lengths
+random.Random(7).randint(256, 1024) drawn in order, consecutive non-overlapping slices of the
+essay tokens from token 0, raw token ids, exactly 64 new greedy tokens each (EOS ignored). All
+requests arrive at time 0; TTFT is measured from then. Systems, same run: transformers
+`generate` one request at a time, in batches of 8 with left padding, and kvwise's engine.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers.generation.streamers import BaseStreamer
+
+from kvwise.bench.environment import system_info
+from kvwise.bench.haystack import read_haystack
+from kvwise.hf.cache import full_kv_bytes
+
+
+@dataclass
+class ThroughputConfig:
+    requests: int = 32
+    min_prompt: int = 256
+    max_prompt: int = 1024
+    new_tokens: int = 64
+    batch_size: int = 8
+    model: str | None = None
+    dtype: str | None = None  # None: the model's default (float32 on CPU)
+    systems: tuple[str, ...] = ("hf-sequential", "hf-batched", "kvwise")
+
+    def __post_init__(self):
+        if self.requests < 1 or self.new_tokens < 1 or not 1 <= self.min_prompt <= self.max_prompt:
+            raise ValueError("need requests >= 1, new_tokens >= 1 and 1 <= min_prompt <= max_prompt")
+
+
+def workload(tokenizer, config: ThroughputConfig) -> list[list[int]]:
+    rng = random.Random(7)
+    lengths = [rng.randint(config.min_prompt, config.max_prompt) for _ in range(config.requests)]
+    stream = tokenizer(read_haystack(), add_special_tokens=False).input_ids
+    if sum(lengths) > len(stream):
+        raise ValueError(f"the essays hold {len(stream)} tokens; the workload needs {sum(lengths)}")
+    starts = [sum(lengths[:index]) for index in range(len(lengths))]
+    return [stream[start : start + length] for start, length in zip(starts, lengths)]
+
+
+class _FirstToken(BaseStreamer):
+    """Records when generate produces its first new token (its first `put` is the prompt)."""
+
+    def __init__(self):
+        self.calls, self.first = 0, None
+
+    def put(self, value):
+        self.calls += 1
+        if self.calls == 2:
+            self.first = time.monotonic()
+
+    def end(self):
+        pass
+
+
+def run_hf(model, prompts, config: ThroughputConfig, batch_size: int, progress) -> dict:
+    model.set_attn_implementation("sdpa")
+    started, first, finished = time.monotonic(), [], []
+    peak_tokens = 0
+    for begin in range(0, len(prompts), batch_size):
+        batch = prompts[begin : begin + batch_size]
+        width = max(map(len, batch))
+        ids = torch.zeros(len(batch), width, dtype=torch.long)
+        mask = torch.zeros(len(batch), width, dtype=torch.long)
+        for row, prompt in enumerate(batch):  # left padding
+            ids[row, width - len(prompt) :] = torch.tensor(prompt)
+            mask[row, width - len(prompt) :] = 1
+        streamer = _FirstToken()
+        with torch.no_grad():
+            model.generate(
+                ids.to(model.device),
+                attention_mask=mask.to(model.device),
+                max_new_tokens=config.new_tokens,
+                min_new_tokens=config.new_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                streamer=streamer,
+            )
+        done = time.monotonic()
+        first += [streamer.first if streamer.first is not None else done] * len(batch)
+        finished += [done] * len(batch)
+        peak_tokens = max(peak_tokens, len(batch) * (width + config.new_tokens))
+        progress.update(len(batch))
+    return _row(
+        model, "hf-sequential" if batch_size == 1 else "hf-batched", config, started, first, finished, peak_tokens
+    )
+
+
+def run_kvwise(model, tokenizer, prompts, config: ThroughputConfig, progress) -> dict:
+    from kvwise.engine.llm import LLM, CacheConfig
+    from kvwise.engine.sampling import SamplingParams
+
+    llm = LLM(model, CacheConfig(), tokenizer=tokenizer)
+    params = SamplingParams(temperature=0, max_tokens=config.new_tokens, ignore_eos=True)
+    started = time.monotonic()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    requests = [request for output in outputs for request in output.requests]
+    progress.update(len(requests))
+    row = _row(
+        model,
+        "kvwise",
+        config,
+        started,
+        [r.first_token_time for r in requests],
+        [r.finish_time for r in requests],
+        llm.peak_blocks * llm.cache_config.block_size,
+    )
+    row["hit_rate"] = sum(r.reused for r in requests) / sum(len(r.prompt) for r in requests)
+    row["config"] = {**row["config"], **asdict(llm.cache_config)}
+    return row
+
+
+def _row(model, system, config, started, first, finished, peak_tokens) -> dict:
+    ttft = [moment - started for moment in first]
+    tpot = [(end - begin) / max(config.new_tokens - 1, 1) for begin, end in zip(first, finished)]
+    wall = max(finished) - started
+    return {
+        "system": system,
+        "config": {"batch_size": config.batch_size if system == "hf-batched" else None},
+        "tokens_per_second": config.requests * config.new_tokens / wall,
+        "wall_seconds": wall,
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p99_s": sorted(ttft)[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
+        "tpot_p50_s": statistics.median(tpot),
+        "hit_rate": 0.0,
+        "peak_kv_bytes": full_kv_bytes(model, peak_tokens, next(model.parameters()).dtype.itemsize),
+    }
+
+
+def run_throughput(config: ThroughputConfig, out_dir: Path) -> dict:
+    from kvwise.models import load_model
+
+    model, tokenizer = load_model(config.model, dtype=config.dtype)
+    prompts = workload(tokenizer, config)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tqdm(total=len(prompts) * len(config.systems), desc="throughput", unit="request") as progress:
+        for system in config.systems:
+            if system == "kvwise":
+                results.append(run_kvwise(model, tokenizer, prompts, config, progress))
+            else:
+                size = 1 if system == "hf-sequential" else config.batch_size
+                results.append(run_hf(model, prompts, config, size, progress))
+    report = {
+        "workload": "throughput",
+        "config": asdict(config),
+        "system": system_info(model.device),
+        "prompt_tokens": sum(map(len, prompts)),
+        "results": results,
+    }
+    (out_dir / "throughput.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "throughput.md").write_text(markdown(report))
+    return report
+
+
+def markdown(report: dict) -> str:
+    config = report["config"]
+    baseline = {row["system"]: row["tokens_per_second"] for row in report["results"]}
+    lines = [
+        f"Throughput, {config['requests']} requests, prompts {config['min_prompt']}-{config['max_prompt']} tokens "
+        f"({report['prompt_tokens']:,} in all), {config['new_tokens']} new tokens each, "
+        f"model={config['model'] or 'SmolLM2-135M-Instruct'}",
+        f"system: kvwise {report['system']['kvwise']}, {report['system']['device']} ({report['system']['hardware']})",
+        "",
+        "| system | output tok/s | vs sequential | vs batched | wall (s) | TTFT p50 / p99 (s) | TPOT p50 (s) | "
+        "hit rate | peak KV bytes |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["results"]:
+        speed = row["tokens_per_second"]
+        versus = [
+            f"{speed / baseline[name]:.2f}x" if name in baseline else "" for name in ("hf-sequential", "hf-batched")
+        ]
+        lines.append(
+            f"| {row['system']} | {speed:.2f} | {versus[0]} | {versus[1]} | {row['wall_seconds']:.1f} | "
+            f"{row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f} | {row['tpot_p50_s']:.3f} | {row['hit_rate']:.3f} | "
+            f"{row['peak_kv_bytes']:,} |"
+        )
+    return "\n".join(lines) + "\n"

@@ -4,7 +4,8 @@ All scheduled tokens (prefill chunks and decode tokens of every running request)
 model as one flat sequence with their own positions; RoPE comes from the model. The attention
 function registered as `kvwise_paged` writes each layer's new keys and values into the request's
 blocks, then lets each chunk attend over its whole sequence read back through its block table:
-one padded SDPA call per layer for the whole step, GQA without repeat_kv. No model is rewritten.
+one padded SDPA call per layer for all decode tokens and one per prefill chunk, GQA
+without repeat_kv. No model is rewritten.
 """
 
 from __future__ import annotations
@@ -21,19 +22,27 @@ ATTENTION_NAME = "kvwise_paged"
 
 
 @dataclass
-class StepLayout:
-    """Where each flat token goes, for one forward.
+class AttentionGroup:
+    """Chunks attended together in one padded SDPA call.
 
-    slots: [T] int64 pool slot of each token; table: [C, max_blocks] block ids (padded with 0);
-    query_index: [C, max_q] flat token index of each chunk's queries (-1 padding);
-    mask: [C, 1, max_q, max_keys] bool, causal within each sequence.
+    table: [C, max_blocks] block ids (padded with 0); query_index: [C, max_q] flat token index of
+    each chunk's queries (-1 padding); mask: [C, 1, max_q, max_keys] bool, causal per sequence.
     """
 
-    storage: PagedKVStorage
-    slots: torch.Tensor
     table: torch.Tensor
     query_index: torch.Tensor
     mask: torch.Tensor
+
+
+@dataclass
+class StepLayout:
+    """Where each flat token goes, for one forward: slots [T] int64 pool slot of each token, and
+    the attention groups (all decode tokens together; each prefill chunk on its own, so one long
+    chunk never pads every decode query to its length)."""
+
+    storage: PagedKVStorage
+    slots: torch.Tensor
+    groups: list[AttentionGroup]
 
 
 _current: StepLayout | None = None
@@ -46,24 +55,22 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         raise RuntimeError("kvwise_paged attention runs only inside ModelRunner.forward")
     layer = module.layer_idx
     layout.storage.write(layer, layout.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    chunks, max_blocks = layout.table.shape
-    keys = layout.storage.keys[layer][layout.table]  # [C, max_blocks, block_size, kv_heads, dim]
-    values = layout.storage.values[layer][layout.table]
-    keys = keys.flatten(1, 2).transpose(1, 2)  # [C, kv_heads, max_keys, dim]
-    values = values.flatten(1, 2).transpose(1, 2)
     flat_queries = query[0].transpose(0, 1)  # [T, heads, dim]
-    padded = flat_queries[layout.query_index.clamp(min=0)]  # [C, max_q, heads, dim]
-    output = F.scaled_dot_product_attention(
-        padded.transpose(1, 2),
-        keys,
-        values,
-        attn_mask=layout.mask,
-        scale=scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
-    )  # [C, heads, max_q, dim]
-    valid = layout.query_index >= 0
     flat_output = torch.empty_like(flat_queries)
-    flat_output[layout.query_index[valid]] = output.transpose(1, 2)[valid]
+    for group in layout.groups:
+        keys = layout.storage.keys[layer][group.table]  # [C, max_blocks, block_size, kv_heads, dim]
+        values = layout.storage.values[layer][group.table]
+        padded = flat_queries[group.query_index.clamp(min=0)]  # [C, max_q, heads, dim]
+        output = F.scaled_dot_product_attention(
+            padded.transpose(1, 2),
+            keys.flatten(1, 2).transpose(1, 2),  # [C, kv_heads, max_keys, dim]
+            values.flatten(1, 2).transpose(1, 2),
+            attn_mask=group.mask,
+            scale=scaling,
+            enable_gqa=query.shape[1] != key.shape[1],
+        )  # [C, heads, max_q, dim]
+        valid = group.query_index >= 0
+        flat_output[group.query_index[valid]] = output.transpose(1, 2)[valid]
     return flat_output[None], None  # [1, T, heads, dim]
 
 
@@ -104,14 +111,27 @@ class ModelRunner:
     def _layout(self, chunks: list[Chunk], device) -> StepLayout:
         block = self.block_size
         slots = [c.request.blocks[p // block] * block + p % block for c in chunks for p in range(c.start, c.end)]
+        offsets, offset = [], 0
+        for chunk in chunks:
+            offsets.append(offset)
+            offset += chunk.end - chunk.start
+        decodes = [index for index, chunk in enumerate(chunks) if chunk.end - chunk.start == 1]
+        prefills = [[index] for index, chunk in enumerate(chunks) if chunk.end - chunk.start > 1]
+        groups = [
+            self._group([chunks[i] for i in members], [offsets[i] for i in members], device)
+            for members in ([decodes] if decodes else []) + prefills
+        ]
+        return StepLayout(self.storage, torch.tensor(slots, device=device), groups)
+
+    def _group(self, chunks: list[Chunk], offsets: list[int], device) -> AttentionGroup:
+        block = self.block_size
         max_blocks = max(-(-c.end // block) for c in chunks)
         table = [c.request.blocks[: -(-c.end // block)] + [0] * (max_blocks - -(-c.end // block)) for c in chunks]
         max_q = max(c.end - c.start for c in chunks)
-        query_index, offset = [], 0
-        for chunk in chunks:
-            length = chunk.end - chunk.start
-            query_index.append(list(range(offset, offset + length)) + [-1] * (max_q - length))
-            offset += length
+        query_index = [
+            list(range(offset, offset + c.end - c.start)) + [-1] * (max_q - (c.end - c.start))
+            for c, offset in zip(chunks, offsets)
+        ]
         starts = torch.tensor([c.start for c in chunks], device=device)
         ends = torch.tensor([c.end for c in chunks], device=device)
         query_positions = starts[:, None] + torch.arange(max_q, device=device)  # [C, max_q]
@@ -120,10 +140,6 @@ class ModelRunner:
             key_positions[None, None, :] < ends[:, None, None]
         )
         mask = mask | ~mask.any(dim=-1, keepdim=True)  # padding queries see something: no NaN
-        return StepLayout(
-            self.storage,
-            torch.tensor(slots, device=device),
-            torch.tensor(table, device=device),
-            torch.tensor(query_index, device=device),
-            mask[:, None],
+        return AttentionGroup(
+            torch.tensor(table, device=device), torch.tensor(query_index, device=device), mask[:, None]
         )

@@ -23,7 +23,7 @@ from kvwise.engine.request import Request
 from kvwise.engine.runner import ModelRunner
 from kvwise.engine.sampling import SamplingParams, find_stop, sample
 from kvwise.engine.scheduler import Scheduler, default_namespace
-from kvwise.kv.paged import PagedKVStorage
+from kvwise.hf.geometry import kv_geometry, paged_storage_for
 
 
 @dataclass
@@ -62,20 +62,18 @@ class LLM:
             model, tokenizer = load_model(model, device=device)
         self.model, self.tokenizer = model, tokenizer
         self.cache_config = config = cache_config or CacheConfig()
-        text = model.config.get_text_config(decoder=True)
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
-        num_kv_heads = getattr(text, "num_key_value_heads", None) or text.num_attention_heads
-        self.max_positions = getattr(text, "max_position_embeddings", None)
+        self.max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.pool = BlockPool(config.num_blocks, config.block_size)
-        dtype = next(model.parameters()).dtype
-        self.storage = PagedKVStorage(
-            text.num_hidden_layers, config.num_blocks, config.block_size, num_kv_heads, head_dim, dtype, model.device
-        )
+        self.storage = paged_storage_for(model, config.num_blocks, config.block_size)
         self.storage.attach(self.pool)
         self.tree = RadixCache(self.pool) if config.prefix_caching else None
-        model_id = str(getattr(text, "_name_or_path", "") or type(model).__name__)
+        shape = kv_geometry(model)
         self.scheduler = Scheduler(
-            self.pool, self.tree, default_namespace(model_id, str(dtype)), config.token_budget, config.max_running
+            self.pool,
+            self.tree,
+            default_namespace(shape.model_id, str(shape.dtype)),
+            config.token_budget,
+            config.max_running,
         )
         self.runner = ModelRunner(model, self.storage)
         self.peak_blocks = 0  # most blocks in use at once (benchmarks report peak KV memory)

@@ -6,6 +6,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from kvwise.hf.attention import use_kvwise_attention
+from kvwise.hf.geometry import kv_geometry
 from kvwise.hf.layer import CompressingLayer
 from kvwise.hf.rope import query_rotator
 from kvwise.kv.quantizer import Quantizer, make_quantizer
@@ -23,10 +24,8 @@ def check_ratio(compression_ratio: float) -> float:
 
 def full_kv_bytes(model, num_tokens: int, bytes_per_value: int) -> int:
     """What an uncompressed cache holds for `num_tokens`: keys and values of every layer."""
-    config = model.config.get_text_config(decoder=True)
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    return 2 * config.num_hidden_layers * num_kv_heads * head_dim * num_tokens * bytes_per_value
+    shape = kv_geometry(model)
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * num_tokens * bytes_per_value
 
 
 class KVWiseCache(Cache):

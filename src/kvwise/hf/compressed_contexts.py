@@ -18,6 +18,7 @@ import torch
 
 from kvwise.core.hashing import ROOT_KEY, Namespace, block_key
 from kvwise.hf.cache import KVWiseCache
+from kvwise.hf.geometry import kv_geometry
 from kvwise.kv.codec import Encoded
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.kv.store import QuantizedChunk
@@ -44,10 +45,10 @@ class CompressedContexts:
 
     def key(self, model, context_ids: torch.Tensor, policy, ratio: float, quant, **policy_kwargs) -> bytes:
         """policy: a name (with `policy_kwargs`) or a Policy; its hyperparameters are part of the key."""
-        config = model.config.get_text_config(decoder=True)
+        shape = kv_geometry(model)
         policy = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy
-        kv_format = f"{next(model.parameters()).dtype}/{quant_label(quant)}/{policy!r}@{ratio}"
-        namespace = Namespace(str(getattr(config, "_name_or_path", "") or type(model).__name__), self.tenant, kv_format)
+        kv_format = f"{shape.dtype}/{quant_label(quant)}/{policy!r}@{ratio}"
+        namespace = Namespace(shape.model_id, self.tenant, kv_format)
         namespace = namespace.shared() if self.shared else namespace
         return block_key(ROOT_KEY, context_ids.flatten().tolist(), namespace.digest())
 

@@ -220,9 +220,7 @@ class CompressingLayer(CacheLayerMixin):
     def _select_batch(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:
             return
-        heads = (
-            indices.to(self.device)[:, None] * self.num_kv_heads + torch.arange(self.num_kv_heads, device=self.device)
-        ).flatten()
+        heads = ragged.heads_of_batch(indices.to(self.device), self.num_kv_heads)
         counts = self.lengths.flatten()
         if self.positions is not None:
             self.positions = ragged.gather_heads(self.positions, counts, heads)[0]

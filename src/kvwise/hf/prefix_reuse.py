@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.hashing import Namespace, chain_keys
 from kvwise.core.radix import Node, RadixCache
-from kvwise.kv.paged import PagedKVStorage
+from kvwise.hf.geometry import kv_geometry, paged_storage_for
 from kvwise.tiers.base import Tier
 
 
@@ -71,17 +71,12 @@ class PrefixReuse:
         tiers: list[Tier] | tuple[Tier, ...] = (),
         eviction: str = "lru",
     ):
-        config = model.config.get_text_config(decoder=True)
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        self.model, self.block_size, self.num_layers = model, block_size, config.num_hidden_layers
-        dtype = next(model.parameters()).dtype
-        namespace = Namespace(str(getattr(config, "_name_or_path", "") or type(model).__name__), tenant, str(dtype))
+        shape = kv_geometry(model)
+        self.model, self.block_size, self.num_layers = model, block_size, shape.num_layers
+        namespace = Namespace(shape.model_id, tenant, str(shape.dtype))
         self.namespace = namespace.shared() if shared else namespace
         self.pool = BlockPool(device_blocks, block_size)
-        self.storage = PagedKVStorage(
-            self.num_layers, device_blocks, block_size, num_kv_heads, head_dim, dtype, model.device
-        )
+        self.storage = paged_storage_for(model, device_blocks, block_size)
         self.storage.attach(self.pool)
         self.tree = RadixCache(self.pool, eviction=eviction, on_evict=self._spill)
         self.tiers = list(tiers)

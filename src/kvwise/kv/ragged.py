@@ -70,6 +70,11 @@ def gather_heads(flat: torch.Tensor, counts: torch.Tensor, heads: torch.Tensor) 
     return flat[sources], new_counts
 
 
+def heads_of_batch(indices: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
+    """Head indices (in batch-major storage order) of the batch entries `indices` [new_batch]."""
+    return (indices[:, None] * num_kv_heads + torch.arange(num_kv_heads, device=indices.device)).flatten()
+
+
 def first_rows_mask(counts: torch.Tensor, take: torch.Tensor) -> torch.Tensor:
     """[sum(counts)] bool: True for the first `take[h]` rows of each head h."""
     return rank_in_head(counts) < take[head_of_rows(counts)]

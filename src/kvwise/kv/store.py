@@ -241,9 +241,7 @@ class KVStore:
     def select_batch(self, indices: torch.Tensor) -> None:
         """Keep the batch entries `indices` [new_batch] (repeats allowed), in that order."""
         num_kv_heads = self.grid[1]
-        heads = (
-            indices.to(self.device)[:, None] * num_kv_heads + torch.arange(num_kv_heads, device=self.device)
-        ).flatten()
+        heads = ragged.heads_of_batch(indices.to(self.device), num_kv_heads)
         grid = (int(indices.shape[0]), num_kv_heads)
         counts_r, counts_s = self.residual_lengths.flatten(), self.sink_lengths.flatten()
         self.residual_keys, _ = ragged.gather_heads(self.residual_keys, counts_r, heads)

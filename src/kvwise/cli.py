@@ -1,4 +1,4 @@
-"""The `kvwise` command line: policies, generate, demo, bench."""
+"""The `kvwise` command line: policies, generate, demo, serve, bench."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 from kvwise.bench.commands import add_bench_parsers, run_bench
+from kvwise.server.serve import add_serve_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -30,6 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--policy", default="kvzip")
     demo.add_argument("--ratio", type=float, default=0.9)
     demo.add_argument("--model", default=None)
+
+    serve = commands.add_parser("serve", help="an OpenAI-compatible server on the engine")
+    add_serve_arguments(serve)
 
     bench = commands.add_parser("bench", help="benchmarks")
     add_bench_parsers(bench.add_subparsers(dest="workload", required=True))
@@ -91,11 +95,18 @@ def _command_bench(args) -> None:
     run_bench(args)
 
 
+def _command_serve(args) -> None:
+    from kvwise.server.serve import run_server
+
+    run_server(args)
+
+
 _COMMANDS = {
     "policies": _command_policies,
     "generate": _command_generate,
     "demo": _command_demo,
     "bench": _command_bench,
+    "serve": _command_serve,
 }
 
 

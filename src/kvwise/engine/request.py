@@ -28,6 +28,7 @@ class Request:
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     tenant: str = "default"
+    shared_prefix: bool = False  # look up and cache prefixes in the opt-in shared namespace
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING
@@ -38,6 +39,7 @@ class Request:
     locked_nodes: list[Node] = field(default_factory=list)
     preemptions: int = 0
     index: int = 0  # which of the prompt's `n` completions this is
+    choice: int = 0  # its position among an API call's choices (prompts x n)
     generator: Any = None  # a torch.Generator when the request has a seed
     logprobs: list[dict[int, float]] | None = None
     completion: Any = None  # the CompletionOutput once finished

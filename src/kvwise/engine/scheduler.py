@@ -19,7 +19,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvwise.core.block_pool import BlockPool
-from kvwise.core.hashing import Namespace
+from kvwise.core.hashing import SHARED_TENANT, Namespace
 from kvwise.core.radix import RadixCache
 from kvwise.engine.request import Request, Status
 
@@ -66,6 +66,7 @@ class Scheduler:
         self.token_budget, self.max_running, self.fcfs_queue_length = token_budget, max_running, fcfs_queue_length
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self.preemptions = 0
 
     # ---- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -172,6 +173,7 @@ class Scheduler:
         request.output = []  # recomputed from the prompt (greedy/seeded outputs come out the same)
         request.status = Status.WAITING
         request.preemptions += 1
+        self.preemptions += 1
         self.waiting.appendleft(request)
         step.preempted.append(request)
         step.decodes = [chunk for chunk in step.decodes if chunk.request is not request]
@@ -186,5 +188,6 @@ class Scheduler:
 
 
 def default_namespace(model_id: str, kv_format: str = ""):
-    """namespace_of for a scheduler: each request's own tenant."""
-    return lambda request: Namespace(model_id, request.tenant, kv_format)
+    """namespace_of for a scheduler: each request's own tenant, or the shared namespace when the
+    request opted in (X-KVWise-Shared-Prefix)."""
+    return lambda request: Namespace(model_id, SHARED_TENANT if request.shared_prefix else request.tenant, kv_format)

@@ -1,0 +1,171 @@
+"""`EngineCore`: one model, one block pool, one scheduler; `step()` runs one forward for every
+scheduled request and reports the tokens it produced.
+
+The offline `LLM` loops over `step()` until its requests are done; the server runs the same loop
+on a background thread and streams the events. Nothing here is thread-safe: one thread owns it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvwise.core.block_pool import BlockPool
+from kvwise.core.radix import RadixCache
+from kvwise.engine.config import CacheConfig
+from kvwise.engine.request import Request
+from kvwise.engine.runner import ModelRunner
+from kvwise.engine.sampling import SamplingParams, find_stop, sample
+from kvwise.engine.scheduler import Scheduler, default_namespace
+from kvwise.hf.geometry import kv_geometry, paged_storage_for
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    logprobs: list[dict[int, float]] | None = None
+
+
+@dataclass
+class TokenEvent:
+    """A token sampled for `request` in one step; `finish_reason` is set when it was the last."""
+
+    request: Request
+    token: int
+    finish_reason: str | None
+
+
+class ContextLengthError(ValueError):
+    """The prompt plus the tokens asked for do not fit the model's context."""
+
+
+class EngineCore:
+    def __init__(self, model, tokenizer=None, cache_config: CacheConfig | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.cache_config = config = cache_config or CacheConfig()
+        self.max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
+        self.eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        self.pool = BlockPool(config.num_blocks, config.block_size)
+        self.storage = paged_storage_for(model, config.num_blocks, config.block_size)
+        self.storage.attach(self.pool)
+        self.tree = RadixCache(self.pool) if config.prefix_caching else None
+        shape = kv_geometry(model)
+        self.model_id = shape.model_id
+        self.scheduler = Scheduler(
+            self.pool,
+            self.tree,
+            default_namespace(shape.model_id, str(shape.dtype)),
+            config.token_budget,
+            config.max_running,
+        )
+        self.runner = ModelRunner(model, self.storage)
+        self.peak_blocks = 0  # most blocks in use at once (benchmarks report peak KV memory)
+
+    # ---- requests ------------------------------------------------------------------------------
+    def encode(self, prompt) -> list[int]:
+        """A string (tokenized without special tokens) or token ids -> a non-empty list of ids."""
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("text prompts need a tokenizer; pass token ids or a tokenizer")
+            token_ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
+        else:
+            token_ids = [int(token) for token in prompt]
+        if not token_ids:
+            raise ValueError("a prompt must have at least one token")
+        return token_ids
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
+        if self.max_positions is not None and prompt_tokens + max_tokens > self.max_positions:
+            raise ContextLengthError(
+                f"the prompt has {prompt_tokens} tokens and asks for {max_tokens} more, "
+                f"but the model's maximum context is {self.max_positions} tokens"
+            )
+        needed = -(-(prompt_tokens + max_tokens) // self.pool.block_size)
+        if needed > self.pool.num_blocks:
+            raise ContextLengthError(
+                f"the prompt has {prompt_tokens} tokens and asks for {max_tokens} more, but the KV pool holds "
+                f"{self.pool.num_blocks * self.pool.block_size} tokens in all"
+            )
+
+    def make_request(self, token_ids: list[int], params: SamplingParams, index: int = 0, tenant: str = "default"):
+        self.check_fits(len(token_ids), params.max_tokens)
+        seed = None if params.seed is None else params.seed + index
+        return Request(
+            list(token_ids),
+            params,
+            tenant=tenant,
+            index=index,
+            generator=None if seed is None else torch.Generator(self.model.device).manual_seed(seed),
+            logprobs=[] if params.logprobs is not None else None,
+        )
+
+    def add(self, request: Request) -> None:
+        self.scheduler.add(request)
+
+    def abort(self, request: Request) -> None:
+        """Cancel a request wherever it is; its blocks are released (zeroed if nobody else holds them)."""
+        if not request.done:
+            self.scheduler.cancel(request)
+            request.finish_time = time.monotonic()
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.scheduler.running or self.scheduler.waiting)
+
+    # ---- one step ------------------------------------------------------------------------------
+    def step(self) -> list[TokenEvent]:
+        step = self.scheduler.schedule()
+        if not step.chunks:
+            if self.scheduler.running or not self.scheduler.waiting:
+                return []
+            raise RuntimeError("the block pool is too small for the next request")
+        logits = self.runner.forward(step.chunks)
+        self.peak_blocks = max(self.peak_blocks, self.pool.stats().used)
+        finishing = [chunk for chunk in step.chunks if chunk.end >= len(chunk.request.prompt)]
+        rows = [index for index, chunk in enumerate(step.chunks) if chunk.end >= len(chunk.request.prompt)]
+        sampled = sample(
+            logits[rows], [c.request.params for c in finishing], [c.request.generator for c in finishing]
+        )
+        for chunk in step.chunks:
+            if chunk.end < len(chunk.request.prompt):
+                self.scheduler.complete(chunk, None)
+        events = []
+        for chunk, token in zip(finishing, sampled):
+            request = chunk.request
+            self.scheduler.complete(chunk, token.token)
+            if request.first_token_time is None:
+                request.first_token_time = time.monotonic()
+            if request.logprobs is not None:
+                request.logprobs.append({token.token: token.logprob, **token.top})
+            reason = self._finish_reason(request, token.token)
+            if reason is not None:
+                request.completion = self._completion(request, reason)
+                request.finish_time = time.monotonic()
+                self.scheduler.finish(request)
+            events.append(TokenEvent(request, token.token, reason))
+        return events
+
+    def _finish_reason(self, request: Request, token: int) -> str | None:
+        params = request.params
+        if not params.ignore_eos and self.eos is not None and token == self.eos:
+            return "stop"
+        if params.stop and self.tokenizer is not None:
+            text = self.tokenizer.decode(request.output, skip_special_tokens=True)
+            if find_stop(text, params.stop) is not None:
+                return "stop"
+        return "length" if len(request.output) >= params.max_tokens else None
+
+    def _completion(self, request: Request, reason: str) -> CompletionOutput:
+        token_ids = list(request.output)
+        if reason == "stop" and token_ids and token_ids[-1] == self.eos:
+            token_ids = token_ids[:-1]
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        if reason == "stop" and request.params.stop:
+            cut = find_stop(text, request.params.stop)
+            text = text if cut is None else text[:cut]
+        return CompletionOutput(request.index, text, token_ids, reason, request.logprobs)

@@ -1,0 +1,1 @@
+"""`kvwise serve`: an OpenAI-compatible HTTP server on the engine."""

@@ -1,0 +1,276 @@
+"""The FastAPI application: OpenAI's /v1/models, /v1/completions and /v1/chat/completions
+(streaming and not), /health and /metrics, with API keys mapped to tenants.
+
+Every error is OpenAI-shaped JSON: 400 bad values, 401 a missing or unknown key, 404 an unknown
+model or route, 413 a body or prompt too large, 422 malformed JSON or a wrong field, 429 a full
+queue (with Retry-After), 503 while shutting down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from pydantic import ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from kvwise.engine.core import ContextLengthError, EngineCore
+from kvwise.engine.detokenizer import IncrementalText
+from kvwise.engine.sampling import SamplingParams
+from kvwise.server.api_keys import KeyEntry, find_key
+from kvwise.server.async_engine import AsyncEngine, EngineFailure
+from kvwise.server.openai_format import Formatter
+from kvwise.server.protocol import ChatRequest, CompletionRequest, OpenAIError
+
+SHARED_PREFIX_HEADER = "x-kvwise-shared-prefix"
+
+
+@dataclass
+class ServerSettings:
+    model_name: str
+    api_keys: dict[str, KeyEntry] | None = None  # None: no authentication, one tenant
+    max_queue: int = 256
+    max_body_bytes: int = 8 * 1024 * 1024
+    default_max_tokens: int = 256  # chat requests without max_tokens
+    disconnect_poll_seconds: float = 0.25
+
+
+@dataclass
+class Caller:
+    tenant: str
+    shared_prefix: bool
+
+
+def create_app(core: EngineCore, settings: ServerSettings) -> FastAPI:
+    engine = AsyncEngine(core, settings.max_queue)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine.start()
+        yield
+        await engine.drain()  # uvicorn has stopped accepting; let what runs finish
+
+    app = FastAPI(title="kvwise", lifespan=lifespan)
+    app.state.engine = engine
+    handlers = _Handlers(core, engine, settings)
+
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, error: OpenAIError):
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, error: StarletteHTTPException):
+        message = f"no route {request.method} {request.url.path}" if error.status_code in (404, 405) else error.detail
+        return JSONResponse(OpenAIError(error.status_code, str(message)).body(), status_code=error.status_code)
+
+    @app.get("/health")
+    async def health():
+        if not engine.accepting:
+            raise OpenAIError(503, "the server is shutting down", code="shutting_down")
+        return {"status": "ok", "running": len(core.scheduler.running), "waiting": engine.queue_depth}
+
+    @app.get("/metrics")
+    async def metrics():
+        return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        handlers.caller(request)
+        card = {"id": settings.model_name, "object": "model", "created": 0, "owned_by": "kvwise"}
+        card["max_model_len"] = core.max_positions
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await handlers.run(request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await handlers.run(request, chat=True)
+
+    return app
+
+
+class _Handlers:
+    def __init__(self, core: EngineCore, engine: AsyncEngine, settings: ServerSettings):
+        self.core, self.engine, self.settings = core, engine, settings
+
+    # ---- who is calling ------------------------------------------------------------------------
+    def caller(self, request: Request) -> Caller:
+        header = request.headers.get(SHARED_PREFIX_HEADER, "").strip().lower()
+        if header not in ("", "true", "false", "1", "0", "yes", "no"):
+            raise OpenAIError(400, f"X-KVWise-Shared-Prefix must be true or false, got {header!r}")
+        shared = header in ("true", "1", "yes")
+        if self.settings.api_keys is None:
+            return Caller("default", shared)
+        authorization = request.headers.get("authorization", "")
+        scheme, _, key = authorization.partition(" ")
+        if scheme.lower() != "bearer" or not key.strip():
+            raise OpenAIError(401, "missing API key: send `Authorization: Bearer KEY`", code="invalid_api_key")
+        entry = find_key(self.settings.api_keys, key.strip())
+        if entry is None:
+            raise OpenAIError(401, "invalid API key", code="invalid_api_key")
+        return Caller(entry.tenant, shared or (entry.shared_prefix and header == ""))
+
+    # ---- one API call --------------------------------------------------------------------------
+    async def run(self, http: Request, chat: bool) -> Response:
+        caller = self.caller(http)
+        body = await self._parse(http, ChatRequest if chat else CompletionRequest)
+        if body.model != self.settings.model_name:
+            raise OpenAIError(
+                404, f"the model `{body.model}` does not exist; this server serves `{self.settings.model_name}`",
+                param="model", code="model_not_found",
+            )
+        prompts = self._chat_prompts(body) if chat else self._completion_prompts(body)
+        params = self._sampling(body, chat, max(map(len, prompts)))
+        requests = []
+        for prompt_index, token_ids in enumerate(prompts):
+            try:
+                for index in range(params.n):
+                    request = self.core.make_request(token_ids, params, index, tenant=caller.tenant)
+                    request.shared_prefix = caller.shared_prefix
+                    request.choice = prompt_index * params.n + index
+                    requests.append(request)
+            except ContextLengthError as error:
+                raise OpenAIError(413, str(error), param="messages" if chat else "prompt", code="context_length_exceeded")
+        events = self.engine.submit(requests)
+        formatter = Formatter(self.settings.model_name, chat, self.core.tokenizer)
+        prompt_tokens = sum(map(len, prompts))
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            stream = self._stream(http, formatter, requests, events, params, prompt_tokens, include_usage)
+            return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        completions = await self._wait(http, requests, events)
+        top = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
+        return JSONResponse(formatter.response(completions, prompt_tokens, top))
+
+    async def _parse(self, http: Request, model):
+        declared = http.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
+            raise OpenAIError(413, f"the request body is over {self.settings.max_body_bytes} bytes")
+        raw = await http.body()
+        if len(raw) > self.settings.max_body_bytes:
+            raise OpenAIError(413, f"the request body is over {self.settings.max_body_bytes} bytes")
+        try:
+            data = json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            raise OpenAIError(422, f"the body is not valid JSON: {error}", code="malformed_json") from None
+        if not isinstance(data, dict):
+            raise OpenAIError(422, "the body must be a JSON object", code="malformed_json")
+        try:
+            return model.model_validate(data)
+        except ValidationError as error:
+            first = error.errors()[0]
+            field = ".".join(str(part) for part in first["loc"])
+            problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()[:5])
+            raise OpenAIError(422, f"invalid request: {problems}", param=field or None, code="invalid_field") from None
+
+    def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+        prompt = body.prompt
+        if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
+            prompt = [prompt]
+        if not prompt:
+            raise OpenAIError(400, "prompt must not be empty", param="prompt")
+        try:
+            return [self.core.encode(item) for item in prompt]
+        except ValueError as error:
+            raise OpenAIError(400, str(error), param="prompt") from None
+
+    def _chat_prompts(self, body: ChatRequest) -> list[list[int]]:
+        tokenizer = self.core.tokenizer
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        try:
+            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as error:  # templates raise their own exception types (jinja2, ValueError)
+            raise OpenAIError(400, f"the chat template refused these messages: {error}", param="messages") from None
+        return [self.core.encode(text)]
+
+    def _sampling(self, body, chat: bool, longest_prompt: int) -> SamplingParams:
+        if body.presence_penalty or body.frequency_penalty:
+            raise OpenAIError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
+        if not chat and body.echo:
+            raise OpenAIError(400, "echo is not supported", param="echo")
+        max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+        if max_tokens is None:
+            room = (self.core.max_positions or longest_prompt + self.settings.default_max_tokens) - longest_prompt
+            max_tokens = max(1, min(self.settings.default_max_tokens, room))
+        if chat:
+            logprobs = (body.top_logprobs or 0) if body.logprobs else None
+            if body.top_logprobs is not None and not body.logprobs:
+                raise OpenAIError(400, "top_logprobs needs logprobs: true", param="top_logprobs")
+        else:
+            logprobs = body.logprobs
+        try:
+            return SamplingParams(
+                max_tokens=max_tokens,
+                temperature=body.temperature,
+                top_p=body.top_p,
+                top_k=body.top_k,
+                seed=body.seed,
+                stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
+                n=body.n,
+                logprobs=logprobs,
+                ignore_eos=body.ignore_eos,
+            )
+        except ValueError as error:
+            raise OpenAIError(400, str(error)) from None
+
+    # ---- answers -------------------------------------------------------------------------------
+    async def _wait(self, http: Request, requests, events: asyncio.Queue):
+        """Every request's CompletionOutput; a client that goes away cancels them."""
+        remaining = set(requests)
+        try:
+            while remaining:
+                try:
+                    item = await asyncio.wait_for(events.get(), self.settings.disconnect_poll_seconds)
+                except TimeoutError:
+                    if await http.is_disconnected():
+                        raise asyncio.CancelledError from None
+                    continue
+                if isinstance(item, EngineFailure):
+                    raise OpenAIError(500, str(item))
+                if item.finish_reason is not None:
+                    remaining.discard(item.request)
+        finally:
+            if remaining:
+                self.engine.abort(list(remaining))
+        completions = []
+        for request in requests:
+            completion = request.completion
+            completion.index = request.choice
+            completions.append(completion)
+        return completions
+
+    async def _stream(self, http, formatter: Formatter, requests, events, params, prompt_tokens, include_usage):
+        texts = {request: IncrementalText(self.core.tokenizer, params.stop, self.core.eos) for request in requests}
+        remaining = set(requests)
+        try:
+            if formatter.chat:
+                for request in requests:
+                    yield _sse(formatter.chunk(request.choice, None, None, first=True))
+            while remaining:
+                item = await events.get()
+                if isinstance(item, EngineFailure):
+                    yield _sse(OpenAIError(500, str(item)).body())
+                    return
+                request, final = item.request, item.finish_reason is not None
+                delta = texts[request].add(item.token, final)
+                if delta:
+                    yield _sse(formatter.chunk(request.choice, delta, None))
+                if final:
+                    remaining.discard(request)
+                    yield _sse(formatter.chunk(request.choice, None, item.finish_reason))
+            if include_usage:
+                yield _sse(formatter.usage_chunk(prompt_tokens, sum(len(r.completion.token_ids) for r in requests)))
+            yield "data: [DONE]\n\n"
+        finally:
+            if remaining:  # the client went away (the generator was cancelled or closed)
+                self.engine.abort(list(remaining))
+
+
+def _sse(payload: dict) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"

@@ -1,0 +1,133 @@
+"""`AsyncEngine`: the engine loop on its own thread, fed and read from asyncio.
+
+The HTTP handlers never touch the engine: they put commands (add, abort) on a thread-safe queue
+and read their requests' tokens from an asyncio.Queue each. The engine thread drains the
+commands, runs one step, and hands each TokenEvent to its request's queue through the event
+loop. One thread owns the scheduler, the pool and the model, so none of them needs a lock.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+
+from kvwise.engine.core import EngineCore, TokenEvent
+from kvwise.engine.request import Request
+from kvwise.server.metrics import ServerMetrics
+from kvwise.server.protocol import OpenAIError
+
+log = logging.getLogger("kvwise.server")
+
+
+class EngineFailure(Exception):
+    """The engine could not run a step; the requests in it are cancelled."""
+
+
+class AsyncEngine:
+    def __init__(self, core: EngineCore, max_queue: int = 256, metrics: ServerMetrics | None = None):
+        if max_queue < 1:
+            raise ValueError(f"--max-queue must be >= 1, got {max_queue}")
+        self.core, self.max_queue = core, max_queue
+        self.metrics = metrics or ServerMetrics(core)
+        self.accepting = True
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending_adds = 0  # requests handed to the thread and not yet in the scheduler
+        self._wake = threading.Event()
+        self._queues: dict[Request, asyncio.Queue] = {}
+        self._stopping = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread = threading.Thread(target=self._run, name="kvwise-engine", daemon=True)
+
+    # ---- called from the event loop ------------------------------------------------------------
+    def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._thread.start()
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self.core.scheduler.waiting) + self._pending_adds
+
+    def submit(self, requests: list[Request]) -> asyncio.Queue:
+        """Queue requests; their TokenEvents (or an EngineFailure) arrive on the returned queue."""
+        if not self.accepting:
+            raise OpenAIError(503, "the server is shutting down", code="shutting_down")
+        if self.queue_depth + len(requests) > self.max_queue:
+            self.metrics.rejected.inc()
+            raise OpenAIError(
+                429,
+                f"the server's queue is full ({self.max_queue} requests waiting); retry shortly",
+                code="queue_full",
+                headers={"Retry-After": "1"},
+            )
+        events: asyncio.Queue = asyncio.Queue()
+        for request in requests:
+            self._queues[request] = events
+        self._pending_adds += len(requests)
+        self._commands.put(("add", requests))
+        self._wake.set()
+        return events
+
+    def abort(self, requests: list[Request]) -> None:
+        """Cancel requests (a client went away); their blocks are freed on the engine thread."""
+        self._commands.put(("abort", requests))
+        self._wake.set()
+
+    async def drain(self, poll_seconds: float = 0.05) -> None:
+        """Graceful shutdown: refuse new requests, let the running and queued ones finish, stop."""
+        self.accepting = False
+        self._stopping = True
+        self._wake.set()
+        while self._thread.is_alive():
+            await asyncio.sleep(poll_seconds)
+
+    # ---- the engine thread ---------------------------------------------------------------------
+    def _run(self) -> None:
+        while True:
+            self._apply_commands()
+            if not self.core.has_work:
+                if self._stopping and self._commands.empty():
+                    return
+                self._wake.wait(0.05)
+                self._wake.clear()
+                continue
+            try:
+                events = self.core.step()
+            except Exception as error:  # a failed step must not kill the server: fail its requests
+                log.exception("engine step failed")
+                self._fail_all(error)
+                continue
+            self.metrics.after_step(self.core)
+            for event in events:
+                self.metrics.on_token(event)
+                self._deliver(event.request, event)
+
+    def _apply_commands(self) -> None:
+        while True:
+            try:
+                kind, requests = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            for request in requests:
+                if kind == "add":
+                    self._pending_adds -= 1
+                    self.core.add(request)
+                elif not request.done:
+                    self.core.abort(request)
+                    self.metrics.on_cancelled(request)
+                    self._queues.pop(request, None)
+
+    def _fail_all(self, error: Exception) -> None:
+        failure = EngineFailure(f"the engine failed: {type(error).__name__}: {error}")
+        for request in list(self.core.scheduler.running) + list(self.core.scheduler.waiting):
+            self.core.abort(request)
+            self._deliver(request, failure)
+
+    def _deliver(self, request: Request, item: TokenEvent | EngineFailure) -> None:
+        events = self._queues.get(request)
+        if events is None:
+            return
+        if isinstance(item, EngineFailure) or item.finish_reason is not None:
+            del self._queues[request]
+        self._loop.call_soon_threadsafe(events.put_nowait, item)

@@ -1,0 +1,106 @@
+"""`ServerMetrics`: what `/metrics` exposes, in the Prometheus text format.
+
+Counters and histograms are updated by the engine thread as requests are admitted, produce
+tokens and finish; gauges of state (pool, queue, tree) are read when Prometheus scrapes.
+Prefix-cache queries and hits are labelled by tenant, so isolation can be checked from outside.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+from kvwise.engine.core import EngineCore, TokenEvent
+from kvwise.engine.request import Request
+
+LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
+
+
+class ServerMetrics:
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.registry = registry = CollectorRegistry()
+        self.queries = Counter(
+            "kvwise_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache", ["tenant"], registry=registry
+        )
+        self.hits = Counter(
+            "kvwise_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache", ["tenant"], registry=registry
+        )
+        self.ttft = Histogram(
+            "kvwise_time_to_first_token_seconds", "Arrival to first output token", buckets=LATENCY_BUCKETS, registry=registry
+        )
+        self.tpot = Histogram(
+            "kvwise_time_per_output_token_seconds",
+            "Mean time between output tokens, per finished request",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.requests = Counter("kvwise_requests", "Requests by outcome", ["outcome"], registry=registry)
+        self.rejected = self.requests.labels("rejected_queue_full")
+        self.prompt_tokens = Counter("kvwise_prompt_tokens", "Prompt tokens admitted", registry=registry)
+        self.generated_tokens = Counter("kvwise_generation_tokens", "Tokens generated", registry=registry)
+        self._counted: set[str] = set()  # request ids whose prefix lookup is counted (once, not per preemption)
+        registry.register(_StateCollector(core))
+
+    def after_step(self, core: EngineCore) -> None:
+        for request in core.scheduler.running:
+            if request.request_id not in self._counted:
+                self._counted.add(request.request_id)
+                self.queries.labels(request.tenant).inc(len(request.prompt))
+                self.hits.labels(request.tenant).inc(request.reused)
+                self.prompt_tokens.inc(len(request.prompt))
+
+    def on_token(self, event: TokenEvent) -> None:
+        request = event.request
+        self.generated_tokens.inc()
+        if len(request.output) == 1 and request.first_token_time is not None:
+            self.ttft.observe(request.first_token_time - request.arrival)
+        if event.finish_reason is not None:
+            self.requests.labels(f"finished_{event.finish_reason}").inc()
+            if len(request.output) > 1:
+                self.tpot.observe((request.finish_time - request.first_token_time) / (len(request.output) - 1))
+            self._counted.discard(request.request_id)
+
+    def on_cancelled(self, request: Request) -> None:
+        self.requests.labels("cancelled").inc()
+        self._counted.discard(request.request_id)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class _StateCollector:
+    """Gauges read from the engine at scrape time (reads of ints; safe from another thread)."""
+
+    def __init__(self, core: EngineCore):
+        self.core = core
+        self.block_bytes = core.storage.nbytes() // core.pool.num_blocks
+
+    def collect(self):
+        core, stats = self.core, self.core.pool.stats()
+        cached = len(core.tree) if core.tree is not None else 0
+        usage = GaugeMetricFamily("kvwise_kv_usage_bytes", "KV bytes in use, per tier", labels=["tier"])
+        usage.add_metric(["device"], stats.used * self.block_bytes)
+        yield usage
+        capacity = GaugeMetricFamily("kvwise_kv_capacity_bytes", "KV bytes available, per tier", labels=["tier"])
+        capacity.add_metric(["device"], stats.total * self.block_bytes)
+        yield capacity
+        blocks = GaugeMetricFamily("kvwise_kv_blocks", "Device KV blocks by state", labels=["state"])
+        blocks.add_metric(["free"], stats.free)
+        blocks.add_metric(["used"], stats.used)
+        blocks.add_metric(["prefix_cached"], cached)
+        yield blocks
+        evictions = CounterMetricFamily("kvwise_prefix_cache_evictions_blocks", "Blocks evicted from the prefix cache")
+        evictions.add_metric([], core.tree.evictions if core.tree is not None else 0)
+        yield evictions
+        preemptions = CounterMetricFamily("kvwise_preemptions", "Requests preempted under memory pressure")
+        preemptions.add_metric([], core.scheduler.preemptions)
+        yield preemptions
+        yield GaugeMetricFamily("kvwise_queue_depth", "Requests waiting to run", value=len(core.scheduler.waiting))
+        yield GaugeMetricFamily("kvwise_running_requests", "Requests running", value=len(core.scheduler.running))
+        yield GaugeMetricFamily("kvwise_uptime_seconds", "Seconds since the metrics started", value=time.monotonic() - _START)
+
+
+_START = time.monotonic()

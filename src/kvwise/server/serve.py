@@ -1,0 +1,68 @@
+"""`kvwise serve`: load the model, build the engine and run the app under uvicorn.
+
+SIGINT/SIGTERM shut down gracefully: uvicorn stops accepting connections and waits for open
+ones (streams included) for up to --shutdown-timeout seconds, then the engine drains.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from kvwise.engine.config import CacheConfig
+
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+
+
+def add_serve_arguments(parser) -> None:
+    parser.add_argument("--model", default=None, help="HF hub id or local directory (default: embedded SmolLM2)")
+    parser.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--api-keys", default=None, help="file of `KEY TENANT [shared]` lines; none: no auth")
+    parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 429")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: per device)")
+    parser.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    parser.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks)
+    parser.add_argument("--token-budget", type=int, default=CacheConfig.token_budget)
+    parser.add_argument("--max-running", type=int, default=CacheConfig.max_running)
+    parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--default-max-tokens", type=int, default=256, help="for chat requests without max_tokens")
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0)
+    parser.add_argument("--log-level", default="info")
+
+
+def build_app(args):
+    """The app for parsed `serve` arguments (also used by tests, without uvicorn's CLI)."""
+    from kvwise.engine.core import EngineCore
+    from kvwise.models import load_model
+    from kvwise.server.api_keys import load_api_keys
+    from kvwise.server.app import ServerSettings, create_app
+
+    keys = load_api_keys(args.api_keys) if args.api_keys else None
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    cache = CacheConfig(
+        block_size=args.block_size,
+        num_blocks=args.num_blocks,
+        token_budget=args.token_budget,
+        max_running=args.max_running,
+        prefix_caching=not args.no_prefix_caching,
+    )
+    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
+    name = args.served_model_name or (EMBEDDED_NAME if args.model is None else Path(args.model.rstrip("/")).name)
+    core = EngineCore(model, tokenizer, cache)
+    settings = ServerSettings(name, keys, args.max_queue, default_max_tokens=args.default_max_tokens)
+    return create_app(core, settings)
+
+
+def run_server(args) -> None:
+    import uvicorn
+
+    app = build_app(args)
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
+    print(f"kvwise: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops after running requests finish)")
+    uvicorn.run(
+        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout
+    )

@@ -1,0 +1,93 @@
+"""EngineCore with a real (tiny) model: no leak after 200 requests, streaming text, tenants."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvwise.core.hashing import SHARED_TENANT
+from kvwise.engine.config import CacheConfig
+from kvwise.engine.core import ContextLengthError, EngineCore
+from kvwise.engine.detokenizer import IncrementalText
+from kvwise.engine.sampling import SamplingParams
+
+
+def assert_only_prefix_cache_holds_blocks(core: EngineCore) -> None:
+    """Every block is free or held once, by the prefix tree alone, and nothing is locked."""
+    held = {node.block for node in core.tree.nodes()}
+    for block, count in enumerate(core.pool.ref_counts):
+        assert count == (1 if block in held else 0), (block, count)
+        assert core.pool.is_free(block) == (block not in held)
+    assert all(node.locks == 0 for node in core.tree.nodes())
+    assert not core.scheduler.running and not core.scheduler.waiting
+
+
+def test_no_leak_after_200_requests_with_cancellations(llama):
+    core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=96, token_budget=48, max_running=8))
+    rng = random.Random(3)
+    shared = [rng.randrange(3, 128) for _ in range(12)]
+    requests, cancelled = [], 0
+    for index in range(200):
+        prompt = (shared if index % 3 == 0 else []) + [rng.randrange(3, 128) for _ in range(rng.randint(1, 20))]
+        request = core.make_request(prompt, SamplingParams(max_tokens=rng.randint(1, 6), temperature=0))
+        core.add(request)
+        requests.append(request)
+        core.step()
+        if index % 5 == 0:  # cancel someone: waiting, mid-prefill or mid-decode
+            victim = rng.choice([r for r in requests if not r.done] or [request])
+            if not victim.done:
+                core.abort(victim)
+                cancelled += 1
+    while core.has_work:
+        core.step()
+    assert cancelled >= 20 and all(request.done for request in requests)
+    assert sum(request.reused for request in requests) > 0  # the shared prefix was reused along the way
+    assert_only_prefix_cache_holds_blocks(core)
+
+
+def test_context_and_pool_limits_are_clear_errors(llama):
+    core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=8))
+    with pytest.raises(ContextLengthError, match="maximum context is 512"):
+        core.make_request([5] * 500, SamplingParams(max_tokens=20))
+    with pytest.raises(ContextLengthError, match="KV pool holds 32 tokens"):
+        core.make_request([5] * 30, SamplingParams(max_tokens=8))
+    with pytest.raises(ValueError, match="at least one token"):
+        core.encode([])
+
+
+def test_shared_opt_in_uses_the_shared_namespace(llama):
+    core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=64))
+    prompt = list(range(10, 30))
+    first = core.make_request(prompt, SamplingParams(max_tokens=1), tenant="alice")
+    first.shared_prefix = True
+    core.add(first)
+    while core.has_work:
+        core.step()
+    assert {node.tenant for node in core.tree.nodes()} == {SHARED_TENANT}
+    private = core.make_request(prompt, SamplingParams(max_tokens=1), tenant="bob")
+    opted_in = core.make_request(prompt, SamplingParams(max_tokens=1), tenant="bob")
+    opted_in.shared_prefix = True
+    for request in (private, opted_in):
+        core.add(request)
+        while core.has_work:
+            core.step()
+    assert private.reused == 0 and opted_in.reused == 16
+
+
+class _CharTokenizer:
+    """One character per token; id 0 is EOS."""
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(chr(i) for i in ids if i != 0)
+
+
+def test_incremental_text_holds_back_partial_stops():
+    text = IncrementalText(_CharTokenizer(), stop=["END"], eos=0)
+    sent = [text.add(ord(c), final=False) for c in "abcE"]
+    assert "".join(sent) == "abc"  # "E" might start "END"
+    assert text.add(ord("x"), final=False) == "Ex"
+    assert text.add(ord("E"), final=False) == "" and text.add(ord("N"), final=False) == ""
+    assert text.add(ord("D"), final=True) == ""  # the stop string is never sent
+    plain = IncrementalText(_CharTokenizer(), eos=0)
+    assert plain.add(ord("h"), False) + plain.add(ord("i"), False) + plain.add(0, True) == "hi"

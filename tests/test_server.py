@@ -1,0 +1,186 @@
+"""A live `kvwise serve` on the embedded SmolLM2, driven with the official `openai` client."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from tests.live_server import LiveServer
+
+pytestmark = pytest.mark.smollm
+
+MODEL = "SmolLM2-135M-Instruct"
+KEYS = {"alice": "sk-alice-0001", "bob": "sk-bob-0002", "carol": "sk-carol-0003"}
+# ~150 tokens, well over one 16-token block, so a reused prefix shows in the hit counters
+DOCUMENT = " ".join(f"Item {n} of the inventory is a {c} box." for n, c in enumerate(["red", "blue", "green"] * 6))
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    keys = tmp_path_factory.mktemp("keys") / "api_keys.txt"
+    keys.write_text(
+        "# key            tenant\n"
+        f"{KEYS['alice']} alice\n{KEYS['bob']} bob   # a comment after an entry\n\n{KEYS['carol']} carol shared\n"
+    )
+    live = LiveServer("--api-keys", str(keys), "--max-queue", "4", "--max-running", "2", "--num-blocks", "512")
+    yield live
+    assert live.stop() == 0
+
+
+def client(server, tenant="alice", **options) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=KEYS.get(tenant, tenant), max_retries=0, **options)
+
+
+def test_models_completion_and_chat(server):
+    api = client(server)
+    assert [model.id for model in api.models.list()] == [MODEL]
+    completion = api.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert completion.object == "text_completion" and completion.choices[0].finish_reason == "length"
+    assert completion.usage.completion_tokens == 6 and completion.choices[0].text
+    again = api.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
+    assert again.choices[0].text == completion.choices[0].text  # greedy is deterministic
+    chat = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0, logprobs=True,
+        top_logprobs=2,
+    )
+    assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
+    assert len(chat.choices[0].logprobs.content) == chat.usage.completion_tokens
+    assert all(len(entry.top_logprobs) == 2 for entry in chat.choices[0].logprobs.content)
+    several = api.completions.create(model=MODEL, prompt=["One,", "Two,"], max_tokens=3, n=2, temperature=0.8, seed=1)
+    assert sorted(choice.index for choice in several.choices) == [0, 1, 2, 3]
+
+
+def test_streaming_equals_the_whole_answer(server):
+    api = client(server)
+    whole = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=20, temperature=0
+    )
+    stream = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=20, temperature=0,
+        stream=True, stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in chunks if chunk.choices)
+    assert text == whole.choices[0].message.content
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    pieces = list(api.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=12, temperature=0, stream=True))
+    plain = api.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=12, temperature=0)
+    assert "".join(piece.choices[0].text for piece in pieces) == plain.choices[0].text
+
+
+def test_stop_strings_in_streams(server):
+    api = client(server)
+    whole = api.completions.create(model=MODEL, prompt="1, 2, 3, 4,", max_tokens=30, temperature=0, stop=[" 7"])
+    streamed = "".join(
+        piece.choices[0].text
+        for piece in api.completions.create(
+            model=MODEL, prompt="1, 2, 3, 4,", max_tokens=30, temperature=0, stop=[" 7"], stream=True
+        )
+    )
+    assert whole.choices[0].finish_reason == "stop" and " 7" not in whole.choices[0].text
+    assert streamed == whole.choices[0].text
+
+
+def test_errors(server):
+    api = client(server)
+    with pytest.raises(openai.AuthenticationError):
+        client(server, "sk-wrong").completions.create(model=MODEL, prompt="hi", max_tokens=1)
+    missing = httpx.post(f"{server.base_url}/v1/completions", json={"model": MODEL, "prompt": "hi"})
+    assert missing.status_code == 401 and missing.json()["error"]["code"] == "invalid_api_key"
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        api.completions.create(model="gpt-nope", prompt="hi", max_tokens=1)
+    with pytest.raises(openai.BadRequestError, match="temperature"):
+        api.completions.create(model=MODEL, prompt="hi", max_tokens=1, temperature=-1)
+    with pytest.raises(openai.UnprocessableEntityError):
+        api.completions.create(model=MODEL, prompt="hi", max_tokens="many")
+    with pytest.raises(openai.APIStatusError, match="maximum context is 8192") as too_long:
+        api.completions.create(model=MODEL, prompt=[1] * 9000, max_tokens=4)
+    assert too_long.value.status_code == 413
+    headers = {"Authorization": f"Bearer {KEYS['alice']}", "Content-Type": "application/json"}
+    malformed = httpx.post(f"{server.base_url}/v1/chat/completions", content=b'{"model": "x", ', headers=headers)
+    assert malformed.status_code == 422 and "not valid JSON" in malformed.json()["error"]["message"]
+    route = httpx.get(f"{server.base_url}/v1/nothing-here", headers=headers)
+    assert route.status_code == 404 and "error" in route.json()
+    huge = httpx.post(f"{server.base_url}/v1/completions", content=b"x" * (9 * 1024 * 1024), headers=headers)
+    assert huge.status_code == 413
+
+
+def test_tenants_do_not_share_prefixes_unless_they_opt_in(server):
+    def hits(tenant):
+        return server.value("kvwise_prefix_cache_hits_tokens_total", tenant=tenant)
+
+    prompt = f"Alice's private notes. {DOCUMENT} Question: what is item 4?"
+    client(server, "alice").completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    before = hits("alice")
+    client(server, "alice").completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert hits("alice") - before >= 128  # alice reuses her own prefix
+    client(server, "bob").completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert hits("bob") == 0  # bob never sees alice's blocks
+    assert server.value("kvwise_prefix_cache_queries_tokens_total", tenant="bob") > 0
+
+    shared = f"A public system prompt. {DOCUMENT} Question: what is item 9?"
+    opt_in = {"X-KVWise-Shared-Prefix": "true"}
+    client(server, "alice", default_headers=opt_in).completions.create(model=MODEL, prompt=shared, max_tokens=1)
+    client(server, "bob", default_headers=opt_in).completions.create(model=MODEL, prompt=shared, max_tokens=1)
+    assert hits("bob") >= 128  # both opted in: bob reuses the shared prefix
+    client(server, "carol").completions.create(model=MODEL, prompt=shared, max_tokens=1)
+    assert hits("carol") >= 128  # carol's key opts in by its `shared` setting
+
+
+def test_concurrent_requests_and_a_full_queue(server):
+    api = client(server)
+    results, errors = [], []
+
+    def call(index):
+        try:
+            answer = api.completions.create(model=MODEL, prompt=f"Story {index}: once", max_tokens=24, temperature=0)
+            results.append(answer.choices[0].text)
+        except openai.RateLimitError as error:
+            errors.append(error)
+
+    threads = [threading.Thread(target=call, args=(index,)) for index in range(12)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert len(results) + len(errors) == 12
+    assert len(results) >= 5 and errors  # 2 running + 4 queued fit; the rest are told to retry
+    assert errors[0].response.headers["retry-after"] == "1"
+    assert server.value("kvwise_requests_total", outcome="rejected_queue_full") == len(errors)
+
+
+def test_a_disconnect_mid_stream_cancels_and_frees(server):
+    cancelled = server.value("kvwise_requests_total", outcome="cancelled")
+    headers = {"Authorization": f"Bearer {KEYS['alice']}"}
+    body = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 400, "stream": True}
+    with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=60) as response:
+        lines = response.iter_lines()
+        received = [line for _, line in zip(range(6), lines) if line.startswith("data: ")]
+        assert json.loads(received[0][len("data: ") :])["object"] == "text_completion"
+    deadline = time.monotonic() + 30
+    while server.value("kvwise_requests_total", outcome="cancelled") == cancelled and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert server.value("kvwise_requests_total", outcome="cancelled") == cancelled + 1
+    assert server.value("kvwise_running_requests") == 0
+    # every block in use is held by the prefix cache alone
+    assert server.value("kvwise_kv_blocks", state="used") == server.value("kvwise_kv_blocks", state="prefix_cached")
+    assert server.value("kvwise_time_to_first_token_seconds_count") > 0
+
+
+def test_graceful_shutdown_drains_a_running_stream():
+    live = LiveServer("--max-running", "2")
+    api = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0)
+    stream = api.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40, stream=True, temperature=0,
+                                    extra_body={"ignore_eos": True})
+    first = next(iter(stream))
+    live.process.send_signal(__import__("signal").SIGTERM)
+    rest = list(stream)
+    assert first.choices[0].text is not None and rest[-1].choices[0].finish_reason == "length"
+    assert live.process.wait(60) == 0

@@ -67,6 +67,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self.on_admit: list = []  # callables(request), after its cached prefix is matched (metrics)
 
     # ---- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -148,6 +149,8 @@ class Scheduler:
             request.locked_nodes, request.blocks = match.nodes, match.blocks
             request.computed = request.reused = match.length
         self.running.append(request)
+        for listener in self.on_admit:
+            listener(request)
 
     # ---- memory ------------------------------------------------------------------------------
     def _reserve(self, request: Request, tokens: int, step: Step, may_preempt: bool = False) -> bool:

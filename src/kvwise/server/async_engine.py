@@ -98,7 +98,6 @@ class AsyncEngine:
                 log.exception("engine step failed")
                 self._fail_all(error)
                 continue
-            self.metrics.after_step(self.core)
             for event in events:
                 self.metrics.on_token(event)
                 self._deliver(event.request, event)

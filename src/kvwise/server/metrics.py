@@ -43,14 +43,15 @@ class ServerMetrics:
         self.generated_tokens = Counter("kvwise_generation_tokens", "Tokens generated", registry=registry)
         self._counted: set[str] = set()  # request ids whose prefix lookup is counted (once, not per preemption)
         registry.register(_StateCollector(core))
+        core.scheduler.on_admit.append(self.on_admit)
 
-    def after_step(self, core: EngineCore) -> None:
-        for request in core.scheduler.running:
-            if request.request_id not in self._counted:
-                self._counted.add(request.request_id)
-                self.queries.labels(request.tenant).inc(len(request.prompt))
-                self.hits.labels(request.tenant).inc(request.reused)
-                self.prompt_tokens.inc(len(request.prompt))
+    def on_admit(self, request: Request) -> None:
+        """Count a request's prefix lookup once, at its first admission (not again after a preemption)."""
+        if request.request_id not in self._counted:
+            self._counted.add(request.request_id)
+            self.queries.labels(request.tenant).inc(len(request.prompt))
+            self.hits.labels(request.tenant).inc(request.reused)
+            self.prompt_tokens.inc(len(request.prompt))
 
     def on_token(self, event: TokenEvent) -> None:
         request = event.request

@@ -6,6 +6,7 @@ ones (streams included) for up to --shutdown-timeout seconds, then the engine dr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 
@@ -60,9 +61,22 @@ def build_app(args):
 def run_server(args) -> None:
     import uvicorn
 
+    class GracefulServer(uvicorn.Server):
+        """uvicorn re-raises SIGTERM/SIGINT once it has shut down, so the process would end as killed
+        by the signal; after a graceful drain, `kvwise serve` exits 0 instead."""
+
+        @contextlib.contextmanager
+        def capture_signals(self):
+            with super().capture_signals():
+                try:
+                    yield
+                finally:
+                    getattr(self, "_captured_signals", []).clear()
+
     app = build_app(args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     print(f"kvwise: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops after running requests finish)")
-    uvicorn.run(
+    config = uvicorn.Config(
         app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout
     )
+    GracefulServer(config).run()

@@ -24,7 +24,9 @@ class LiveServer:
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "kvwise.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
-        self.process = subprocess.Popen([*command, *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        self.process = subprocess.Popen(
+            [*command, *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
         deadline = time.monotonic() + startup_seconds
         while time.monotonic() < deadline:
             if self.process.poll() is not None:

@@ -17,8 +17,12 @@ def test_keys_tenants_comments_and_shared(tmp_path):
 
 @pytest.mark.parametrize(
     "text, message",
-    [("k1\n", "expected `KEY TENANT`"), ("k1 a b\n", "expected `KEY TENANT`"), ("k1 a\nk1 b\n", "listed twice"),
-     ("# nothing\n", "holds no keys")],
+    [
+        ("k1\n", "expected `KEY TENANT`"),
+        ("k1 a b\n", "expected `KEY TENANT`"),
+        ("k1 a\nk1 b\n", "listed twice"),
+        ("# nothing\n", "holds no keys"),
+    ],
 )
 def test_bad_files(tmp_path, text, message):
     path = tmp_path / "keys"

@@ -45,7 +45,11 @@ def test_models_completion_and_chat(server):
     again = api.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=6, temperature=0)
     assert again.choices[0].text == completion.choices[0].text  # greedy is deterministic
     chat = api.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=8, temperature=0, logprobs=True,
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=8,
+        temperature=0,
+        logprobs=True,
         top_logprobs=2,
     )
     assert chat.choices[0].message.role == "assistant" and chat.choices[0].message.content
@@ -61,8 +65,12 @@ def test_streaming_equals_the_whole_answer(server):
         model=MODEL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=20, temperature=0
     )
     stream = api.chat.completions.create(
-        model=MODEL, messages=[{"role": "user", "content": "Count to five."}], max_tokens=20, temperature=0,
-        stream=True, stream_options={"include_usage": True},
+        model=MODEL,
+        messages=[{"role": "user", "content": "Count to five."}],
+        max_tokens=20,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
     )
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
@@ -177,8 +185,14 @@ def test_a_disconnect_mid_stream_cancels_and_frees(server):
 def test_graceful_shutdown_drains_a_running_stream():
     live = LiveServer("--max-running", "2")
     api = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="unused", max_retries=0)
-    stream = api.completions.create(model=MODEL, prompt="Once upon a time", max_tokens=40, stream=True, temperature=0,
-                                    extra_body={"ignore_eos": True})
+    stream = api.completions.create(
+        model=MODEL,
+        prompt="Once upon a time",
+        max_tokens=40,
+        stream=True,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+    )
     first = next(iter(stream))
     live.process.send_signal(__import__("signal").SIGTERM)
     rest = list(stream)

@@ -9,7 +9,9 @@ from dataclasses import dataclass
 class CacheConfig:
     block_size: int = 16
     num_blocks: int = 2048
-    token_budget: int = 1024  # tokens computed per step (prefill chunks + decodes); 1024 was fastest on CPU of 512/1024/2048
+    token_budget: int = (
+        1024  # tokens computed per step (prefill chunks + decodes); 1024 was fastest on CPU of 512/1024/2048
+    )
     max_running: int = 64
     prefix_caching: bool = True
 

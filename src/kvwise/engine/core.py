@@ -128,9 +128,7 @@ class EngineCore:
         self.peak_blocks = max(self.peak_blocks, self.pool.stats().used)
         finishing = [chunk for chunk in step.chunks if chunk.end >= len(chunk.request.prompt)]
         rows = [index for index, chunk in enumerate(step.chunks) if chunk.end >= len(chunk.request.prompt)]
-        sampled = sample(
-            logits[rows], [c.request.params for c in finishing], [c.request.generator for c in finishing]
-        )
+        sampled = sample(logits[rows], [c.request.params for c in finishing], [c.request.generator for c in finishing])
         for chunk in step.chunks:
             if chunk.end < len(chunk.request.prompt):
                 self.scheduler.complete(chunk, None)

@@ -22,7 +22,8 @@ def load_api_keys(path: str | Path) -> dict[str, KeyEntry]:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except (OSError, UnicodeDecodeError) as error:
-        raise ValueError(f"cannot read the API key file {str(path)!r}: {getattr(error, 'strerror', None) or error}")
+        reason = getattr(error, "strerror", None) or error
+        raise ValueError(f"cannot read the API key file {str(path)!r}: {reason}") from None
     keys: dict[str, KeyEntry] = {}
     for number, line in enumerate(lines, start=1):
         words = line.split("#", 1)[0].split()

@@ -122,8 +122,10 @@ class _Handlers:
         body = await self._parse(http, ChatRequest if chat else CompletionRequest)
         if body.model != self.settings.model_name:
             raise OpenAIError(
-                404, f"the model `{body.model}` does not exist; this server serves `{self.settings.model_name}`",
-                param="model", code="model_not_found",
+                404,
+                f"the model `{body.model}` does not exist; this server serves `{self.settings.model_name}`",
+                param="model",
+                code="model_not_found",
             )
         prompts = self._chat_prompts(body) if chat else self._completion_prompts(body)
         params = self._sampling(body, chat, max(map(len, prompts)))
@@ -136,7 +138,9 @@ class _Handlers:
                     request.choice = prompt_index * params.n + index
                     requests.append(request)
             except ContextLengthError as error:
-                raise OpenAIError(413, str(error), param="messages" if chat else "prompt", code="context_length_exceeded")
+                raise OpenAIError(
+                    413, str(error), param="messages" if chat else "prompt", code="context_length_exceeded"
+                ) from None
         events = self.engine.submit(requests)
         formatter = Formatter(self.settings.model_name, chat, self.core.tokenizer)
         prompt_tokens = sum(map(len, prompts))

@@ -23,13 +23,19 @@ class ServerMetrics:
         self.core = core
         self.registry = registry = CollectorRegistry()
         self.queries = Counter(
-            "kvwise_prefix_cache_queries_tokens", "Prompt tokens looked up in the prefix cache", ["tenant"], registry=registry
+            "kvwise_prefix_cache_queries_tokens",
+            "Prompt tokens looked up in the prefix cache",
+            ["tenant"],
+            registry=registry,
         )
         self.hits = Counter(
             "kvwise_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache", ["tenant"], registry=registry
         )
         self.ttft = Histogram(
-            "kvwise_time_to_first_token_seconds", "Arrival to first output token", buckets=LATENCY_BUCKETS, registry=registry
+            "kvwise_time_to_first_token_seconds",
+            "Arrival to first output token",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
         )
         self.tpot = Histogram(
             "kvwise_time_per_output_token_seconds",
@@ -101,7 +107,9 @@ class _StateCollector:
         yield preemptions
         yield GaugeMetricFamily("kvwise_queue_depth", "Requests waiting to run", value=len(core.scheduler.waiting))
         yield GaugeMetricFamily("kvwise_running_requests", "Requests running", value=len(core.scheduler.running))
-        yield GaugeMetricFamily("kvwise_uptime_seconds", "Seconds since the metrics started", value=time.monotonic() - _START)
+        yield GaugeMetricFamily(
+            "kvwise_uptime_seconds", "Seconds since the metrics started", value=time.monotonic() - _START
+        )
 
 
 _START = time.monotonic()

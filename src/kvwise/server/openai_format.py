@@ -69,7 +69,10 @@ class Formatter:
         if self.chat:
             return {
                 "content": [
-                    {**self._token_entry(token, options[token]), "top_logprobs": [self._token_entry(t, p) for t, p in best]}
+                    {
+                        **self._token_entry(token, options[token]),
+                        "top_logprobs": [self._token_entry(t, p) for t, p in best],
+                    }
                     for (token, options), best in zip(steps, likeliest)
                 ]
             }

@@ -34,6 +34,7 @@ class BlockPool:
         self.ref_counts = [0] * num_blocks
         # Free blocks, least recently released first: OrderedDict gives O(1) pop, append and removal.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self._free_map = bytearray(b"\x01") * num_blocks  # 1 where free: finds contiguous runs at C speed
         self._release_hooks: list[Callable[[list[int]], None]] = []
         self._allocations = self._releases = 0
 
@@ -49,10 +50,20 @@ class BlockPool:
         """`count` blocks with one reference each, least recently released first."""
         if not self.can_allocate(count):
             raise ValueError(f"cannot allocate {count} blocks: {len(self._free)} of {self.num_blocks} are free")
-        blocks = [self._free.popitem(last=False)[0] for _ in range(count)]
+        return self._take([self._free.popitem(last=False)[0] for _ in range(count)], popped=True)
+
+    def allocate_contiguous(self, count: int) -> list[int] | None:
+        """`count` consecutive block ids (the lowest free run), or None when no run is that long."""
+        start = self._free_map.find(b"\x01" * count) if count > 0 else -1
+        return None if start < 0 else self._take(list(range(start, start + count)))
+
+    def _take(self, blocks: list[int], popped: bool = False) -> list[int]:
         for block in blocks:
+            if not popped:
+                del self._free[block]
+            self._free_map[block] = 0
             self.ref_counts[block] = 1
-        self._allocations += count
+        self._allocations += len(blocks)
         return blocks
 
     def incref(self, blocks: Iterable[int]) -> None:
@@ -80,6 +91,7 @@ class BlockPool:
                 hook(freed)
             for block in freed:
                 self._free[block] = None
+                self._free_map[block] = 1
             self._releases += len(freed)
         return freed
 

@@ -37,6 +37,7 @@ class Request:
     reused: int = 0  # of those, tokens matched in the prefix cache
     blocks: list[int] = field(default_factory=list)
     locked_nodes: list[Node] = field(default_factory=list)
+    reserved: bool = False  # its first private allocation is made (whole or step by step)
     preemptions: int = 0
     index: int = 0  # which of the prompt's `n` completions this is
     choice: int = 0  # its position among an API call's choices (prompts x n)

@@ -48,6 +48,9 @@ class Step:
         return sum(chunk.end - chunk.start for chunk in self.chunks)
 
 
+PLENTY_FREE_FRACTION = 0.25  # whole-request reservations stop when fewer blocks than this stay free
+
+
 class Scheduler:
     def __init__(
         self,
@@ -166,7 +169,25 @@ class Scheduler:
             if victim is None:
                 return False
             self._preempt(victim, step)
+        if not request.reserved and self._reserve_whole(request):
+            return True
+        request.reserved = True
         request.blocks += self.pool.allocate(needed)
+        return True
+
+    def _reserve_whole(self, request: Request) -> bool:
+        """While memory is plentiful, a request's first allocation takes consecutive blocks for
+        all its tokens (prompt + max_tokens): the CPU runner then reads its KV as one slice of
+        the pool instead of gathering blocks every layer and step. Under pressure, or without a
+        long enough free run, blocks come one step's need at a time."""
+        request.reserved = True
+        total = -(-(len(request.prompt) + request.params.max_tokens) // self.block_size) - len(request.blocks)
+        if self.pool.num_free - total < self.pool.num_blocks * PLENTY_FREE_FRACTION:
+            return False
+        run = self.pool.allocate_contiguous(total)
+        if run is None:
+            return False
+        request.blocks += run
         return True
 
     def _preempt(self, request: Request, step: Step) -> None:
@@ -183,6 +204,7 @@ class Scheduler:
         step.prefills = [chunk for chunk in step.prefills if chunk.request is not request]
 
     def _release(self, request: Request) -> None:
+        request.reserved = False
         if self.tree is not None and request.locked_nodes:
             self.tree.unlock(request.locked_nodes)
         if request.blocks:

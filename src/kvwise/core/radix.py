@@ -165,7 +165,9 @@ class RadixCache:
     def _order(self, node: Node) -> tuple:
         over_quota = self.usage[node.tenant] > self.quota(node.tenant)
         use = (node.hits, node.last_access) if self.eviction == "lfu" else (node.last_access, node.hits)
-        return (not over_quota, node.priority, *use)
+        # a block a running request still holds frees no memory when its node goes: those go last
+        in_use = self.pool.ref_counts[node.block] > 1
+        return (not over_quota, in_use, node.priority, *use)
 
     def _evict(self, count: int, only_tenant: str | None, protect: Node | None) -> int:
         candidates = [

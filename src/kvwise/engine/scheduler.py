@@ -126,6 +126,11 @@ class Scheduler:
         request.computed = chunk.end
         if token is not None and not request.prefilling:
             request.output.append(token)
+        if self.tree is not None and chunk.start < len(request.prompt):
+            # cache prompt blocks as soon as they are computed, so requests running at the same
+            # time share them (as vLLM and SGLang do), not only those that come after this one ends
+            full = min(chunk.end, len(request.prompt)) // self.block_size * self.block_size
+            self.tree.insert(request.prompt[:full], request.blocks, self.namespace_of(request))
 
     def _schedule_prefill(self, request: Request, budget: int, step: Step) -> int:
         if budget == 0 or request not in self.running:
@@ -162,9 +167,12 @@ class Scheduler:
         needed = -(-tokens // self.block_size) - len(request.blocks)
         if needed <= 0:
             return True
-        if not self.pool.can_allocate(needed) and self.tree is not None:
-            self.tree.evict(needed - self.pool.num_free)
         while not self.pool.can_allocate(needed):
+            # cached prefixes first (a preempted request's prompt blocks are cached, so they go too)
+            if self.tree is not None:
+                self.tree.evict(needed - self.pool.num_free)
+                if self.pool.can_allocate(needed):
+                    break
             victim = next((r for r in reversed(self.running) if r is not request), None) if may_preempt else None
             if victim is None:
                 return False

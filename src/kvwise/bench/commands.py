@@ -75,8 +75,33 @@ def add_bench_parsers(workloads) -> None:
     throughput.add_argument("--quick", action="store_true", help="8 requests of 64-128 tokens, 16 new tokens")
 
 
+    rag = workloads.add_parser("rag", help="prefix reuse on the engine: TTFT with reuse off and on")
+    rag.add_argument("--model", default=None)
+    rag.add_argument("--dtype", default=None, help="model dtype (default: the model's, float32 on CPU)")
+    rag.add_argument("--requests", type=int, default=None, help="requests (default 24; 8 with --quick)")
+    rag.add_argument("--concurrency", type=int, default=None, help="clients in the closed loop (default 4)")
+    rag.add_argument("--systems", type=names, default=None, help="hf-sequential,kvwise-reuse-off,kvwise-reuse-on")
+    rag.add_argument("--out", type=Path, default=Path("results"))
+    rag.add_argument("--quick", action="store_true", help="8 requests, 3 documents of 300-600 tokens, 8 new tokens")
+
+
 def run_bench(args) -> None:
-    {"niah": _niah, "ppl": _ppl, "reuse": _reuse, "throughput": _throughput}[args.workload](args)
+    {"niah": _niah, "ppl": _ppl, "reuse": _reuse, "throughput": _throughput, "rag": _rag}[args.workload](args)
+
+
+def _rag(args) -> None:
+    from kvwise.bench.rag import RagConfig, run_rag
+
+    config = RagConfig(model=args.model, dtype=args.dtype)
+    if args.quick:
+        config.requests, config.documents, config.document_tokens = 8, 3, (300, 600)
+        config.system_prompt_tokens, config.question_tokens, config.output_tokens = 200, (20, 60), 8
+    if args.systems is not None:
+        args.systems = tuple(args.systems)
+    _override(config, args, ("requests", "concurrency", "systems"))
+    run_rag(config, args.out)
+    print((args.out / "rag.md").read_text())
+    print(f"wrote {args.out / 'rag.json'}")
 
 
 def _throughput(args) -> None:

@@ -1,0 +1,192 @@
+"""`kvwise bench rag`: prefix reuse under a serving workload, on the engine.
+
+Workload (../docs BENCHMARKS "rag"): 70% of requests share a ~500-token system prompt; each
+carries a 1,000-2,000-token document drawn with Zipf popularity from a pool of essay slices and
+a 50-200-token question; 32 greedy output tokens. Requests come from `concurrency` clients, each
+sending its next request when the previous one is answered (a closed loop), so TTFT is what a
+user waits: queueing behind other prefills plus the request's own.
+
+Systems, same run: transformers `generate` one request at a time, and kvwise's engine with
+prefix caching off and on. The report sets the TTFT speedup beside the bound 1/(1 - hit rate).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvwise.bench.environment import system_info
+from kvwise.bench.reuse import rag_requests
+from kvwise.bench.throughput import _FirstToken
+from kvwise.hf.cache import full_kv_bytes
+
+
+@dataclass
+class RagConfig:
+    model: str | None = None
+    dtype: str | None = None  # None: the model's default (float32 on CPU), as `bench throughput`
+    requests: int = 24
+    concurrency: int = 4
+    shared_fraction: float = 0.7
+    system_prompt_tokens: int = 500
+    documents: int = 6
+    document_tokens: tuple[int, int] = (1000, 2000)
+    question_tokens: tuple[int, int] = (50, 200)
+    output_tokens: int = 32
+    zipf_exponent: float = 1.1
+    seed: int = 0
+    systems: tuple[str, ...] = ("hf-sequential", "kvwise-reuse-off", "kvwise-reuse-on")
+
+    def __post_init__(self):
+        if self.requests < 2 or self.concurrency < 1 or self.output_tokens < 1:
+            raise ValueError("need requests >= 2, concurrency >= 1 and output_tokens >= 1")
+        if not 0.0 <= self.shared_fraction <= 1.0:
+            raise ValueError(f"shared_fraction must be in [0, 1], got {self.shared_fraction}")
+        unknown = set(self.systems) - {"hf-sequential", "kvwise-reuse-off", "kvwise-reuse-on"}
+        if unknown:
+            raise ValueError(f"unknown systems {sorted(unknown)}; choose hf-sequential, kvwise-reuse-off/on")
+
+
+def run_engine(model, tokenizer, prompts: list[list[int]], config: RagConfig, reuse: bool, progress) -> dict:
+    from kvwise.engine.config import CacheConfig
+    from kvwise.engine.core import EngineCore
+    from kvwise.engine.sampling import SamplingParams
+
+    core = EngineCore(model, tokenizer, CacheConfig(prefix_caching=reuse))
+    params = SamplingParams(temperature=0, max_tokens=config.output_tokens, ignore_eos=True)
+    waiting, in_flight, done = list(prompts), 0, []
+    started = time.monotonic()
+    while waiting or in_flight:
+        while waiting and in_flight < config.concurrency:  # a client sends its next request
+            request = core.make_request(waiting.pop(0), params)
+            request.arrival = time.monotonic()
+            core.add(request)
+            in_flight += 1
+        for event in core.step():
+            if event.finish_reason is not None:
+                in_flight -= 1
+                done.append(event.request)
+                progress.update()
+    wall = time.monotonic() - started
+    row = _row(
+        "kvwise",
+        {"reuse": reuse, "concurrency": config.concurrency, **asdict(core.cache_config)},
+        wall,
+        [r.first_token_time - r.arrival for r in done],
+        [(r.finish_time - r.first_token_time) / max(len(r.output) - 1, 1) for r in done],
+        config,
+        len(done),
+    )
+    row["hit_rate"] = sum(r.reused for r in done) / sum(len(r.prompt) for r in done)
+    row["peak_kv_bytes"] = core.peak_blocks * core.storage.nbytes() // core.pool.num_blocks
+    return row
+
+
+def run_hf_sequential(model, prompts: list[list[int]], config: RagConfig, progress) -> dict:
+    model.set_attn_implementation("sdpa")
+    ttft, tpot, started = [], [], time.monotonic()
+    for prompt in prompts:
+        arrival, streamer = time.monotonic(), _FirstToken()
+        with torch.no_grad():
+            model.generate(
+                torch.tensor([prompt], device=model.device),
+                max_new_tokens=config.output_tokens,
+                min_new_tokens=config.output_tokens,
+                do_sample=False,
+                pad_token_id=0,
+                streamer=streamer,
+            )
+        finished = time.monotonic()
+        first = streamer.first or finished
+        ttft.append(first - arrival)
+        tpot.append((finished - first) / max(config.output_tokens - 1, 1))
+        progress.update()
+    wall = time.monotonic() - started
+    row = _row("hf-sequential", {"reuse": False, "concurrency": 1}, wall, ttft, tpot, config, len(prompts))
+    row["peak_kv_bytes"] = full_kv_bytes(
+        model, max(map(len, prompts)) + config.output_tokens, next(model.parameters()).dtype.itemsize
+    )
+    return row
+
+
+def _row(system: str, settings: dict, wall: float, ttft: list[float], tpot: list[float], config, count: int) -> dict:
+    return {
+        "system": system,
+        "config": settings,
+        "tokens_per_second": count * config.output_tokens / wall,
+        "requests_per_second": count / wall,
+        "wall_seconds": wall,
+        "ttft_p50_s": statistics.median(ttft),
+        "ttft_p99_s": sorted(ttft)[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
+        "tpot_p50_s": statistics.median(tpot),
+        "hit_rate": 0.0,
+        "peak_kv_bytes": 0,
+    }
+
+
+def run_rag(config: RagConfig, out_dir: Path) -> dict:
+    from kvwise.models import load_model
+
+    model, tokenizer = load_model(config.model, dtype=config.dtype)
+    prompts = [ids[0].tolist() for ids in rag_requests(tokenizer, config)]
+    out_dir.mkdir(parents=True, exist_ok=True)
+    results = []
+    with tqdm(total=len(prompts) * len(config.systems), desc="rag", unit="request") as progress:
+        for system in config.systems:
+            if system == "hf-sequential":
+                results.append(run_hf_sequential(model, prompts, config, progress))
+            else:
+                results.append(run_engine(model, tokenizer, prompts, config, system.endswith("-on"), progress))
+    summary = {}
+    by_reuse = {row["config"]["reuse"]: row for row in results if row["system"] == "kvwise"}
+    if len(by_reuse) == 2:
+        hit = by_reuse[True]["hit_rate"]
+        summary = {
+            "ttft_p50_speedup": by_reuse[False]["ttft_p50_s"] / by_reuse[True]["ttft_p50_s"],
+            "ttft_p99_speedup": by_reuse[False]["ttft_p99_s"] / by_reuse[True]["ttft_p99_s"],
+            "bound": 1.0 / max(1.0 - hit, 1e-9),
+        }
+    report = {
+        "workload": "rag",
+        "config": asdict(config),
+        "system": system_info(model.device),
+        "prompt_tokens": sum(map(len, prompts)),
+        "summary": summary,
+        "results": results,
+    }
+    (out_dir / "rag.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "rag.md").write_text(markdown(report))
+    return report
+
+
+def markdown(report: dict) -> str:
+    config, summary = report["config"], report["summary"]
+    lines = [
+        f"RAG serving, {config['requests']} requests ({report['prompt_tokens']:,} prompt tokens), "
+        f"{config['concurrency']} clients in a closed loop, {config['output_tokens']} output tokens each, "
+        f"model={config['model'] or 'SmolLM2-135M-Instruct'}",
+        f"system: kvwise {report['system']['kvwise']}, {report['system']['device']} ({report['system']['hardware']})",
+        "",
+        "| system | reuse | TTFT p50 / p99 (s) | TPOT p50 (s) | output tok/s | req/s | hit rate | peak KV bytes |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for row in report["results"]:
+        lines.append(
+            f"| {row['system']} | {'on' if row['config']['reuse'] else 'off'} | "
+            f"{row['ttft_p50_s']:.3f} / {row['ttft_p99_s']:.3f} | {row['tpot_p50_s']:.3f} | "
+            f"{row['tokens_per_second']:.2f} | {row['requests_per_second']:.3f} | {row['hit_rate']:.3f} | "
+            f"{row['peak_kv_bytes']:,} |"
+        )
+    if summary:
+        lines += [
+            "",
+            f"TTFT p50 with reuse {summary['ttft_p50_speedup']:.2f}x better than without (p99 "
+            f"{summary['ttft_p99_speedup']:.2f}x); bound 1/(1 - hit rate) = {summary['bound']:.2f}x",
+        ]
+    return "\n".join(lines) + "\n"

@@ -17,7 +17,8 @@ BLOCK = 4
 
 
 def reference(model, prompts, max_tokens):
-    model.set_attn_implementation("sdpa")
+    # Gemma 2 caps attention logits, which only transformers' eager attention implements
+    model.set_attn_implementation("eager" if getattr(model.config, "attn_logit_softcapping", None) else "sdpa")
     outputs = []
     with torch.no_grad():
         for prompt in prompts:
@@ -67,3 +68,25 @@ def test_reused_prefixes_give_the_same_tokens(llama):
     outputs, requests = engine(llama, [[first], [second]], 5)
     assert outputs == [[expected[0]], [expected[1]]]
     assert requests[1][0].reused == 16  # the second prompt's shared 16 tokens came from the prefix cache
+
+
+def test_sliding_window_and_softcapped_layers_match_generate(gemma2):
+    """Gemma 2 alternates window-8 and full layers and caps attention logits; prompts longer than
+    the window, chunked, with decodes in the same steps."""
+    prompts = [random_ids(1, length, seed=length)[0].tolist() for length in (5, 13, 22)]
+    expected = reference(gemma2, prompts, 8)
+    (outputs,), _ = engine(gemma2, [prompts], 8, budget=12)
+    assert outputs == expected
+
+
+def test_sliding_window_without_softcap_matches_generate():
+    from tests.conftest import SHARED
+
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    mistral = MistralForCausalLM(MistralConfig(**SHARED, sliding_window=6, head_dim=16)).eval()
+    prompts = [random_ids(1, length, seed=length)[0].tolist() for length in (4, 11, 19)]
+    expected = reference(mistral, prompts, 8)
+    (outputs,), _ = engine(mistral, [prompts], 8, budget=10)
+    assert outputs == expected

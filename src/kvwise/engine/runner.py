@@ -10,7 +10,7 @@ prefill chunk, GQA without repeat_kv. No model is rewritten.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +37,19 @@ class AttentionGroup:
     blocks: torch.Tensor
     keys_per_chunk: int
     mask: torch.Tensor | None
+    query_positions: torch.Tensor  # [C, queries per chunk]: each query's position in its sequence
     causal: bool = False
     first_block: int | None = None  # one chunk whose blocks are consecutive: read them as a slice
+    _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    def window_mask(self, window: int) -> torch.Tensor:
+        """[C, 1, queries, keys] bool: causal and within `window` positions (sliding-window layers;
+        a key k is seen from position p when p - window < k <= p, as in transformers)."""
+        if window not in self._windowed:
+            keys = torch.arange(self.keys_per_chunk, device=self.query_positions.device)
+            queries = self.query_positions[:, :, None]
+            self._windowed[window] = ((keys <= queries) & (keys > queries - window))[:, None]
+        return self._windowed[window]
 
 
 @dataclass
@@ -64,6 +75,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     storage = layout.storage
     storage.write(layer, layout.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
     kv_heads, head_dim = key.shape[1], key.shape[3]
+    window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")  # Gemma 2/3, Mistral, Qwen2 hybrids
     outputs = []
     for group in layout.groups:
         # index_select reads whole blocks; advanced indexing with a 2-D table is 4x slower on CPU
@@ -76,17 +88,46 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             keys = storage.keys[layer].index_select(0, group.blocks).view(shape)[:, : group.keys_per_chunk]
             values = storage.values[layer].index_select(0, group.blocks).view(shape)[:, : group.keys_per_chunk]
         queries = query[0, :, group.first : group.last].unflatten(1, (group.chunks, -1)).transpose(0, 1)
-        output = F.scaled_dot_product_attention(
+        mask, causal = group.mask, group.causal
+        if window is not None and window < group.keys_per_chunk:
+            mask, causal = group.window_mask(window), False
+        output = _attend(
             queries,  # [C, heads, queries per chunk, dim]
             keys.transpose(1, 2),  # [C, kv_heads, keys, dim]
             values.transpose(1, 2),
-            attn_mask=group.mask,
-            is_causal=group.causal,
-            scale=scaling,
-            enable_gqa=query.shape[1] != kv_heads,
+            mask,
+            causal,
+            scaling,
+            softcap,
         )
         outputs.append(output.transpose(1, 2).flatten(0, 1))  # [tokens, heads, dim]
     return torch.cat(outputs)[None], None  # [1, T, heads, dim]
+
+
+def _attend(queries, keys, values, mask, causal: bool, scaling: float | None, softcap: float | None):
+    """queries [C, heads, q, dim] over keys, values [C, kv_heads, k, dim] -> [C, heads, q, dim].
+
+    SDPA unless the model caps its attention logits (Gemma 2: tanh(s / cap) * cap), which SDPA
+    cannot express; then the scores are computed here, softmax in float32 as transformers does."""
+    if not softcap:
+        return F.scaled_dot_product_attention(
+            queries,
+            keys,
+            values,
+            attn_mask=mask,
+            is_causal=causal,
+            scale=scaling,
+            enable_gqa=queries.shape[1] != keys.shape[1],
+        )
+    repeats = queries.shape[1] // keys.shape[1]
+    keys, values = keys.repeat_interleave(repeats, dim=1), values.repeat_interleave(repeats, dim=1)
+    scale = scaling if scaling is not None else queries.shape[-1] ** -0.5
+    scores = torch.tanh(queries @ keys.transpose(-1, -2) * scale / softcap) * softcap  # [C, heads, q, k]
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=scores.device).tril()
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.softmax(scores.float(), dim=-1).to(values.dtype) @ values
 
 
 def _no_mask(*args, **kwargs):
@@ -151,10 +192,14 @@ class ModelRunner:
         table = [b for c in chunks for b in (c.request.blocks[: -(-c.end // block)] + [0] * max_blocks)[:max_blocks]]
         ends = torch.tensor([c.end for c in chunks], device=device)
         mask = torch.arange(max_blocks * block, device=device)[None, :] < ends[:, None]  # [C, keys]
-        blocks = torch.tensor(table, device=device)
+        blocks, positions = torch.tensor(table, device=device), (ends - 1)[:, None]
         if len(chunks) == 1:
-            return AttentionGroup(first, first + 1, 1, blocks, chunks[0].end, None, first_block=_run_start(table))
-        return AttentionGroup(first, first + len(chunks), len(chunks), blocks, max_blocks * block, mask[:, None, None])
+            return AttentionGroup(
+                first, first + 1, 1, blocks, chunks[0].end, None, positions, first_block=_run_start(table)
+            )
+        return AttentionGroup(
+            first, first + len(chunks), len(chunks), blocks, max_blocks * block, mask[:, None, None], positions
+        )
 
     def _prefill_group(self, chunk: Chunk, first: int, device) -> AttentionGroup:
         """Queries start..end-1 over keys 0..end-1: causal from the top-left corner when the chunk
@@ -163,11 +208,15 @@ class ModelRunner:
         table = chunk.request.blocks[: -(-chunk.end // block)]
         blocks, start = torch.tensor(table, device=device), _run_start(table)
         last = first + length
-        if chunk.start == 0:
-            return AttentionGroup(first, last, 1, blocks, chunk.end, None, causal=True, first_block=start)
         query_positions = torch.arange(chunk.start, chunk.end, device=device)
+        if chunk.start == 0:
+            return AttentionGroup(
+                first, last, 1, blocks, chunk.end, None, query_positions[None], causal=True, first_block=start
+            )
         mask = torch.arange(chunk.end, device=device)[None, :] <= query_positions[:, None]  # [queries, keys]
-        return AttentionGroup(first, last, 1, blocks, chunk.end, mask[None, None], first_block=start)
+        return AttentionGroup(
+            first, last, 1, blocks, chunk.end, mask[None, None], query_positions[None], first_block=start
+        )
 
 
 # One SDPA call costs about as much as reading this many padding blocks (measured on CPU).

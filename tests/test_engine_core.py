@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
+import torch
 
 from kvwise.core.hashing import SHARED_TENANT
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import ContextLengthError, EngineCore
 from kvwise.engine.detokenizer import IncrementalText
+from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 
 
@@ -91,3 +94,73 @@ def test_incremental_text_holds_back_partial_stops():
     assert text.add(ord("D"), final=True) == ""  # the stop string is never sent
     plain = IncrementalText(_CharTokenizer(), eos=0)
     assert plain.add(ord("h"), False) + plain.add(ord("i"), False) + plain.add(0, True) == "hi"
+
+
+def _run(core, requests, until=None):
+    for request in requests:
+        core.add(request)
+    while core.has_work and not (until and until()):
+        core.step()
+
+
+def test_a_per_request_policy_changes_only_that_request(llama):
+    from tests.conftest import random_ids
+
+    prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (40, 57, 33)]
+    params = SamplingParams(temperature=0, max_tokens=12)
+
+    def engine():
+        return EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=128, token_budget=32))
+
+    plain_core = engine()
+    plain = [plain_core.make_request(p, params) for p in prompts]
+    _run(plain_core, plain)
+    core = engine()
+    mixed = [
+        core.make_request(p, params, kv=KVSettings("snapkv", ratio=0.5) if i == 1 else None)
+        for i, p in enumerate(prompts)
+    ]
+    squeezed = mixed[1]
+    _run(core, mixed, until=lambda: squeezed.computed >= len(squeezed.prompt))
+    kept = math.ceil(57 * 0.5)
+    assert squeezed.kv_offset == 57 - kept  # evicted right after its prefill...
+    assert len(squeezed.blocks) == math.ceil(kept / 4)  # ...and its blocks past the kept tokens are freed
+    _run(core, [])
+    assert [r.output for r in mixed[::2]] == [r.output for r in plain[::2]]  # the others are untouched
+    assert len(squeezed.output) == 12
+    assert_only_prefix_cache_holds_blocks(core)
+
+
+def test_shared_prefix_blocks_stay_intact_and_max_kv_tokens_caps_decoding(llama):
+    core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=128, token_budget=64))
+    prefix = list(range(3, 27))  # 6 blocks
+    first = core.make_request(prefix + [30, 31, 32], SamplingParams(max_tokens=1))
+    _run(core, [first])
+    cached = {node.block: core.storage.keys[0][node.block].clone() for node in core.tree.nodes()}
+    capped = core.make_request(
+        prefix + list(range(40, 70)),
+        SamplingParams(max_tokens=40, temperature=0),
+        kv=KVSettings("streaming_llm", ratio=0.5, max_kv_tokens=8),
+    )
+    core.add(capped)
+    most_private = 0
+    while core.has_work:
+        core.step()
+        if not capped.done:
+            most_private = max(most_private, capped.computed - capped.kv_offset - capped.reused)
+    assert capped.reused == 24 and len(capped.output) == 40
+    assert most_private <= 8 + 4 + 1  # evicted back to 8 whenever a block's worth piled up
+    for block, keys in cached.items():  # the shared prefix was read, never rewritten
+        assert torch.equal(core.storage.keys[0][block], keys)
+    assert_only_prefix_cache_holds_blocks(core)
+
+
+def test_kv_settings_errors():
+    with pytest.raises(ValueError, match="unknown policy"):
+        KVSettings("nope", ratio=0.5)
+    with pytest.raises(ValueError, match=r"kv_ratio must be in \[0, 1\)"):
+        KVSettings("snapkv", ratio=1.0)
+    with pytest.raises(ValueError, match="second pass"):
+        KVSettings("kvzip", ratio=0.5)
+    with pytest.raises(ValueError, match="running statistics"):
+        KVSettings("h2o", max_kv_tokens=8)

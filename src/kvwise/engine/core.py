@@ -7,6 +7,7 @@ on a background thread and streams the events. Nothing here is thread-safe: one 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ import torch
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.radix import RadixCache
 from kvwise.engine.config import CacheConfig
+from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.request import Request
 from kvwise.engine.runner import ModelRunner
 from kvwise.engine.sampling import SamplingParams, find_stop, sample
@@ -64,6 +66,10 @@ class EngineCore:
             config.max_running,
         )
         self.runner = ModelRunner(model, self.storage)
+        text_config = model.config.get_text_config(decoder=True)
+        self.sliding_window = getattr(text_config, "sliding_window", None) and getattr(
+            text_config, "use_sliding_window", True
+        )
         self.peak_blocks = 0  # most blocks in use at once (benchmarks report peak KV memory)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -92,8 +98,18 @@ class EngineCore:
                 f"{self.pool.num_blocks * self.pool.block_size} tokens in all"
             )
 
-    def make_request(self, token_ids: list[int], params: SamplingParams, index: int = 0, tenant: str = "default"):
+    def make_request(
+        self,
+        token_ids: list[int],
+        params: SamplingParams,
+        index: int = 0,
+        tenant: str = "default",
+        kv: KVSettings | None = None,
+    ):
+        """kv: the request's own eviction of its private tokens (shared prefixes stay intact)."""
         self.check_fits(len(token_ids), params.max_tokens)
+        if kv is not None and kv.active and self.sliding_window:
+            raise ValueError("per-request KV eviction is not supported on models with sliding-window layers")
         seed = None if params.seed is None else params.seed + index
         return Request(
             list(token_ids),
@@ -102,6 +118,7 @@ class EngineCore:
             index=index,
             generator=None if seed is None else torch.Generator(self.model.device).manual_seed(seed),
             logprobs=[] if params.logprobs is not None else None,
+            kv=kv if kv is not None and kv.active else None,
         )
 
     def add(self, request: Request) -> None:
@@ -124,8 +141,15 @@ class EngineCore:
             if self.scheduler.running or not self.scheduler.waiting:
                 return []
             raise RuntimeError("the block pool is too small for the next request")
-        logits = self.runner.forward(step.chunks)
+        logits = self.runner.forward(step.chunks, self._evictions(step.chunks))
         self.peak_blocks = max(self.peak_blocks, self.pool.stats().used)
+        for compaction in self.runner.compactions:  # real bytes back to the pool
+            request = compaction.request
+            layers = range(len(self.storage.keys))
+            request.compacted_positions = torch.stack([compaction.kept_positions[layer] for layer in layers])
+            kv_tokens = request.reused + compaction.keep
+            request.kv_offset = compaction.end - kv_tokens
+            self.scheduler.shrink(request, kv_tokens)
         finishing = [chunk for chunk in step.chunks if chunk.end >= len(chunk.request.prompt)]
         rows = [index for index, chunk in enumerate(step.chunks) if chunk.end >= len(chunk.request.prompt)]
         sampled = sample(logits[rows], [c.request.params for c in finishing], [c.request.generator for c in finishing])
@@ -147,6 +171,27 @@ class EngineCore:
                 self.scheduler.finish(request)
             events.append(TokenEvent(request, token.token, reason))
         return events
+
+    def _evictions(self, chunks) -> dict[int, int]:
+        """{id(chunk): tokens per head to keep} for requests whose KVSettings evict this step:
+        once when the prompt's last chunk is computed (ratio), and whenever decoding has grown
+        the private tokens a block past max_kv_tokens."""
+        plans = {}
+        for chunk in chunks:
+            request = chunk.request
+            settings = request.kv
+            if settings is None:
+                continue
+            private = chunk.end - request.kv_offset - request.reused  # private KV slots after this chunk
+            keep = private
+            if chunk.end == len(request.prompt) and settings.ratio > 0:
+                keep = max(1, math.ceil(private * (1 - settings.ratio)))
+            cap = settings.max_kv_tokens
+            if cap is not None and (keep > cap + self.pool.block_size or (keep < private and keep > cap)):
+                keep = cap
+            if keep < private:
+                plans[id(chunk)] = keep
+        return plans
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.params

@@ -38,6 +38,9 @@ class Request:
     blocks: list[int] = field(default_factory=list)
     locked_nodes: list[Node] = field(default_factory=list)
     reserved: bool = False  # its first private allocation is made (whole or step by step)
+    kv: Any = None  # KVSettings: its own eviction of private tokens, or None
+    kv_offset: int = 0  # tokens evicted: a token at position p sits at KV index p - kv_offset
+    compacted_positions: Any = None  # [layers, kv_heads, n] original positions of the compacted private slots
     preemptions: int = 0
     index: int = 0  # which of the prompt's `n` completions this is
     choice: int = 0  # its position among an API call's choices (prompts x n)

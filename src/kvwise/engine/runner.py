@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from kvwise.engine.compaction import Compaction
 from kvwise.engine.scheduler import Chunk
 from kvwise.kv.paged import PagedKVStorage
 
@@ -61,6 +62,7 @@ class StepLayout:
     storage: PagedKVStorage
     slots: torch.Tensor
     groups: list[AttentionGroup]
+    compactions: list[Compaction] = field(default_factory=list)
 
 
 _current: StepLayout | None = None
@@ -101,6 +103,8 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             softcap,
         )
         outputs.append(output.transpose(1, 2).flatten(0, 1))  # [tokens, heads, dim]
+    for compaction in layout.compactions:  # after attention: this forward's queries saw every token
+        compaction.apply(storage, layer, query, scaling)
     return torch.cat(outputs)[None], None  # [1, T, heads, dim]
 
 
@@ -147,10 +151,15 @@ class ModelRunner:
         register_paged_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.model, self.storage, self.block_size = model, storage, storage.block_size
+        self.compactions: list[Compaction] = []
 
     @torch.no_grad()
-    def forward(self, chunks: list[Chunk]) -> torch.Tensor:
-        """Compute the chunks' tokens; returns the logits after each chunk's last token: [C, vocab]."""
+    def forward(self, chunks: list[Chunk], compact: dict[int, int] | None = None) -> torch.Tensor:
+        """Compute the chunks' tokens; returns the logits after each chunk's last token: [C, vocab].
+
+        compact: {id(chunk): tokens per head to keep} for requests whose private KV is evicted in
+        this forward (their KVSettings); the Compactions done are left in `self.compactions`.
+        """
         global _current
         device = self.model.device
         # Attention per sequence over its blocks read in place (no gather) measured no faster on
@@ -159,6 +168,7 @@ class ModelRunner:
         prefills = [c for c in chunks if c.end - c.start > 1]
         ordered = [chunk for bucket in buckets for chunk in bucket] + prefills  # the flat token order
         layout = self._layout(buckets, prefills, device)
+        layout.compactions = self.compactions = self._compactions(ordered, compact or {}, device)
         ids = torch.tensor([[t for c in ordered for t in c.request.tokens[c.start : c.end]]], device=device)
         positions = torch.tensor([[p for c in ordered for p in range(c.start, c.end)]], device=device)
         last = torch.tensor([c.end - c.start for c in ordered], device=device).cumsum(0) - 1
@@ -172,10 +182,13 @@ class ModelRunner:
         row = {id(chunk): index for index, chunk in enumerate(ordered)}
         return logits[0, [row[id(chunk)] for chunk in chunks]]
 
+    def _slot(self, request, index: int) -> int:
+        """The pool slot of KV index `index` of `request`."""
+        return request.blocks[index // self.block_size] * self.block_size + index % self.block_size
+
     def _layout(self, buckets: list[list[Chunk]], prefills: list[Chunk], device) -> StepLayout:
-        block = self.block_size
         ordered = [chunk for bucket in buckets for chunk in bucket] + prefills
-        slots = [c.request.blocks[p // block] * block + p % block for c in ordered for p in range(c.start, c.end)]
+        slots = [self._slot(c.request, i) for c in ordered for i in range(*_kv_span(c))]
         groups, first = [], 0
         for bucket in buckets:
             groups.append(self._decode_group(bucket, first, device))
@@ -186,37 +199,74 @@ class ModelRunner:
         return StepLayout(self.storage, torch.tensor(slots, device=device), groups)
 
     def _decode_group(self, chunks: list[Chunk], first: int, device) -> AttentionGroup:
-        """One query per chunk; each sees its first `end` keys of its padded table."""
+        """One query per chunk; each sees its first `end` KV slots of its padded table."""
         block = self.block_size
-        max_blocks = max(-(-c.end // block) for c in chunks)
-        table = [b for c in chunks for b in (c.request.blocks[: -(-c.end // block)] + [0] * max_blocks)[:max_blocks]]
-        ends = torch.tensor([c.end for c in chunks], device=device)
+        ends = [_kv_span(c)[1] for c in chunks]
+        max_blocks = max(-(-end // block) for end in ends)
+        table = [
+            b
+            for c, end in zip(chunks, ends)
+            for b in (c.request.blocks[: -(-end // block)] + [0] * max_blocks)[:max_blocks]
+        ]
+        ends = torch.tensor(ends, device=device)
         mask = torch.arange(max_blocks * block, device=device)[None, :] < ends[:, None]  # [C, keys]
         blocks, positions = torch.tensor(table, device=device), (ends - 1)[:, None]
         if len(chunks) == 1:
             return AttentionGroup(
-                first, first + 1, 1, blocks, chunks[0].end, None, positions, first_block=_run_start(table)
+                first, first + 1, 1, blocks, int(ends[0]), None, positions, first_block=_run_start(table)
             )
         return AttentionGroup(
             first, first + len(chunks), len(chunks), blocks, max_blocks * block, mask[:, None, None], positions
         )
 
     def _prefill_group(self, chunk: Chunk, first: int, device) -> AttentionGroup:
-        """Queries start..end-1 over keys 0..end-1: causal from the top-left corner when the chunk
-        starts the sequence, else shifted by `start` (a bool mask)."""
-        block, length = self.block_size, chunk.end - chunk.start
-        table = chunk.request.blocks[: -(-chunk.end // block)]
-        blocks, start = torch.tensor(table, device=device), _run_start(table)
-        last = first + length
-        query_positions = torch.arange(chunk.start, chunk.end, device=device)
-        if chunk.start == 0:
+        """Queries start..end-1 over KV slots 0..end-1: causal from the top-left corner when the
+        chunk starts the sequence, else shifted by `start` (a bool mask)."""
+        start, end = _kv_span(chunk)
+        table = chunk.request.blocks[: -(-end // self.block_size)]
+        blocks, run = torch.tensor(table, device=device), _run_start(table)
+        last = first + end - start
+        query_positions = torch.arange(start, end, device=device)
+        if start == 0:
             return AttentionGroup(
-                first, last, 1, blocks, chunk.end, None, query_positions[None], causal=True, first_block=start
+                first, last, 1, blocks, end, None, query_positions[None], causal=True, first_block=run
             )
-        mask = torch.arange(chunk.end, device=device)[None, :] <= query_positions[:, None]  # [queries, keys]
-        return AttentionGroup(
-            first, last, 1, blocks, chunk.end, mask[None, None], query_positions[None], first_block=start
-        )
+        mask = torch.arange(end, device=device)[None, :] <= query_positions[:, None]  # [queries, keys]
+        return AttentionGroup(first, last, 1, blocks, end, mask[None, None], query_positions[None], first_block=run)
+
+    def _compactions(self, ordered: list[Chunk], compact: dict[int, int], device) -> list[Compaction]:
+        """What to evict in this forward: each chunk's private region [reused, end) in KV slots."""
+        plans, first = [], 0
+        layers, heads = len(self.storage.keys), self.storage.keys[0].shape[2]
+        for chunk in ordered:
+            length = chunk.end - chunk.start
+            if id(chunk) in compact:
+                request, end = chunk.request, _kv_span(chunk)[1]
+                settled = 0 if request.compacted_positions is None else request.compacted_positions.shape[-1]
+                fresh = torch.arange(request.reused + settled, end, device=device) + request.kv_offset
+                positions = fresh.expand(layers, heads, -1)
+                if settled:
+                    positions = torch.cat([request.compacted_positions, positions], dim=-1)
+                slots = torch.tensor([self._slot(request, i) for i in range(request.reused, end)], device=device)
+                plans.append(
+                    Compaction(
+                        request,
+                        request.kv.scorer,
+                        slots,
+                        positions,
+                        first,
+                        first + length,
+                        compact[id(chunk)],
+                        chunk.end,
+                    )
+                )
+            first += length
+        return plans
+
+
+def _kv_span(chunk: Chunk) -> tuple[int, int]:
+    """The chunk's tokens as KV slot indices (positions less the tokens its request evicted)."""
+    return chunk.start - chunk.request.kv_offset, chunk.end - chunk.request.kv_offset
 
 
 # One SDPA call costs about as much as reading this many padding blocks (measured on CPU).

@@ -88,7 +88,7 @@ class Scheduler:
     def finish(self, request: Request) -> None:
         """A finished request's full prompt blocks go to the prefix cache, then its blocks are released."""
         self.running.remove(request)
-        if self.tree is not None:
+        if self.tree is not None and not self._compresses(request):
             full = request.computed // self.block_size * self.block_size
             self.tree.insert(request.tokens[:full], request.blocks, self.namespace_of(request))
         self._release(request)
@@ -126,7 +126,7 @@ class Scheduler:
         request.computed = chunk.end
         if token is not None and not request.prefilling:
             request.output.append(token)
-        if self.tree is not None and chunk.start < len(request.prompt):
+        if self.tree is not None and chunk.start < len(request.prompt) and not self._compresses(request):
             # cache prompt blocks as soon as they are computed, so requests running at the same
             # time share them (as vLLM and SGLang do), not only those that come after this one ends
             full = min(chunk.end, len(request.prompt)) // self.block_size * self.block_size
@@ -164,7 +164,7 @@ class Scheduler:
     def _reserve(self, request: Request, tokens: int, step: Step, may_preempt: bool = False) -> bool:
         """Blocks for `tokens` tokens of `request`: evicts cached prefixes, then (for requests
         already decoding, never to admit a newcomer) preempts the most recently admitted one."""
-        needed = -(-tokens // self.block_size) - len(request.blocks)
+        needed = -(-(tokens - request.kv_offset) // self.block_size) - len(request.blocks)
         if needed <= 0:
             return True
         while not self.pool.can_allocate(needed):
@@ -201,7 +201,8 @@ class Scheduler:
     def _preempt(self, request: Request, step: Step) -> None:
         self.running.remove(request)
         self._release(request)
-        request.computed = request.reused = 0
+        request.computed = request.reused = request.kv_offset = 0
+        request.compacted_positions = None
         request.output = []  # recomputed from the prompt (greedy/seeded outputs come out the same)
         request.status = Status.WAITING
         request.preemptions += 1
@@ -210,6 +211,18 @@ class Scheduler:
         step.preempted.append(request)
         step.decodes = [chunk for chunk in step.decodes if chunk.request is not request]
         step.prefills = [chunk for chunk in step.prefills if chunk.request is not request]
+
+    def shrink(self, request: Request, kv_tokens: int) -> None:
+        """Give back the blocks past a request's first `kv_tokens` KV slots (after its eviction)."""
+        keep = -(-kv_tokens // self.block_size)
+        if keep < len(request.blocks):
+            self.pool.release(request.blocks[keep:])
+            request.blocks = request.blocks[:keep]
+
+    @staticmethod
+    def _compresses(request: Request) -> bool:
+        """Its private blocks hold its own compressed state: never cache them as the prompt's."""
+        return request.kv is not None and request.kv.active
 
     def _release(self, request: Request) -> None:
         request.reserved = False

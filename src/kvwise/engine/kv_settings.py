@@ -1,0 +1,54 @@
+"""`KVSettings`: a request's own KV policy, applied to its private blocks only.
+
+    SamplingParams(...) plus KVSettings(policy="snapkv", ratio=0.5, max_kv_tokens=256)
+
+- `policy` + `ratio`: when the prompt's prefill ends, the policy scores the request's private
+  prompt tokens (everything after the prefix it reused from the cache) and each KV head keeps
+  the best (1 - ratio) of them; the freed blocks go back to the pool, zeroed.
+- `max_kv_tokens`: during decoding, whenever the private tokens exceed it by a block, the
+  policy evicts down to it again.
+
+Shared prefix blocks are never touched, and a request with settings never publishes its
+private blocks to the prefix cache (they hold its compressed state, not the prompt's).
+The engine supports policies that give every head the same budget from the tokens it holds
+(no two-pass KVzip, no layer- or globally-shared budgets, no running statistics).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvwise.policies.base import Policy
+from kvwise.policies.registry import make_policy
+
+
+@dataclass
+class KVSettings:
+    policy: str = "snapkv"
+    ratio: float = 0.0  # fraction of the private prompt KV removed after prefill, in [0, 1)
+    max_kv_tokens: int | None = None  # cap on private KV tokens per head while decoding
+    quant: str | None = None
+    scorer: Policy = field(init=False, repr=False)
+
+    def __post_init__(self):
+        if not 0.0 <= self.ratio < 1.0:
+            raise ValueError(f"kv_ratio must be in [0, 1) (the fraction of KV removed), got {self.ratio}")
+        if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
+            raise ValueError(f"max_kv_tokens must be >= 1, got {self.max_kv_tokens}")
+        if self.quant is not None:
+            raise ValueError(
+                "kv_quant is not available per request in the engine yet; quantize with KVWiseCache(..., quant=...)"
+            )
+        self.scorer = make_policy(self.policy)
+        reasons = {
+            "needs a second pass over the context": self.scorer.needs_context_pass,
+            "moves budget between heads or layers": self.scorer.budget_scope != "head",
+            "keeps running statistics": bool(self.scorer.stat_names),
+        }
+        for reason, applies in reasons.items():
+            if applies:
+                raise ValueError(f"policy {self.policy!r} {reason}, which the engine's per-request KV does not support")
+
+    @property
+    def active(self) -> bool:
+        return not self.scorer.keeps_everything and (self.ratio > 0 or self.max_kv_tokens is not None)

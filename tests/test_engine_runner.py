@@ -80,9 +80,9 @@ def test_sliding_window_and_softcapped_layers_match_generate(gemma2):
 
 
 def test_sliding_window_without_softcap_matches_generate():
-    from tests.conftest import SHARED
-
     from transformers import MistralConfig, MistralForCausalLM
+
+    from tests.conftest import SHARED
 
     torch.manual_seed(0)
     mistral = MistralForCausalLM(MistralConfig(**SHARED, sliding_window=6, head_dim=16)).eval()

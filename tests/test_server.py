@@ -96,6 +96,25 @@ def test_stop_strings_in_streams(server):
     assert streamed == whole.choices[0].text
 
 
+def test_per_request_kv_policy(server):
+    api = client(server)
+    long_prompt = f"Read this. {DOCUMENT} Which colour is item 2?"
+    squeezed = api.completions.create(
+        model=MODEL,
+        prompt=long_prompt,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"kv_policy": "snapkv", "kv_ratio": 0.5, "ignore_eos": True},
+    )
+    assert squeezed.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError, match="unknown policy"):
+        api.completions.create(
+            model=MODEL, prompt="hi", max_tokens=1, extra_body={"kv_policy": "nope", "kv_ratio": 0.5}
+        )
+    with pytest.raises(openai.BadRequestError, match="kv_ratio"):
+        api.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"kv_ratio": 1.5})
+
+
 def test_errors(server):
     api = client(server)
     with pytest.raises(openai.AuthenticationError):

@@ -1,5 +1,6 @@
 """kvwise: KV-cache management for LLM inference (reuse, eviction, compression, tiers)."""
 
+from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.llm import LLM, CacheConfig
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import KVWiseCache
@@ -12,6 +13,7 @@ __version__ = "0.1.0"
 __all__ = [
     "LLM",
     "CacheConfig",
+    "KVSettings",
     "SamplingParams",
     "KVWiseCache",
     "load_model",

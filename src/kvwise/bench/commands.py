@@ -74,7 +74,6 @@ def add_bench_parsers(workloads) -> None:
     throughput.add_argument("--out", type=Path, default=Path("results"))
     throughput.add_argument("--quick", action="store_true", help="8 requests of 64-128 tokens, 16 new tokens")
 
-
     rag = workloads.add_parser("rag", help="prefix reuse on the engine: TTFT with reuse off and on")
     rag.add_argument("--model", default=None)
     rag.add_argument("--dtype", default=None, help="model dtype (default: the model's, float32 on CPU)")

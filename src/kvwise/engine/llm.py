@@ -17,9 +17,10 @@ from tqdm import tqdm
 
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import CompletionOutput, EngineCore
+from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 
-__all__ = ["LLM", "CacheConfig", "CompletionOutput", "RequestOutput"]
+__all__ = ["LLM", "CacheConfig", "CompletionOutput", "KVSettings", "RequestOutput"]
 
 
 @dataclass
@@ -57,17 +58,28 @@ class LLM:
     def peak_blocks(self) -> int:
         return self.engine.peak_blocks
 
-    def generate(self, prompts, sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
+    def generate(
+        self,
+        prompts,
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        kv: KVSettings | list[KVSettings | None] | None = None,
+    ):
         """prompts: a string, a list of strings, or lists of token ids. Returns RequestOutputs in order.
 
+        kv: KVSettings for every prompt, or one per prompt (None: keep everything), e.g.
+        `KVSettings("snapkv", ratio=0.5)`; they evict only that request's private tokens.
         Every prompt is checked before any runs: one that does not fit raises and nothing is queued."""
         params = sampling_params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
+        settings = kv if isinstance(kv, list) else [kv] * len(prompts)
+        if len(settings) != len(prompts):
+            raise ValueError(f"kv has {len(settings)} entries for {len(prompts)} prompts")
         outputs, groups = [], []
-        for prompt in prompts:
+        for prompt, prompt_kv in zip(prompts, settings):
             token_ids = self.engine.encode(prompt)
-            group = [self.engine.make_request(token_ids, params, index) for index in range(params.n)]
+            group = [self.engine.make_request(token_ids, params, index, kv=prompt_kv) for index in range(params.n)]
             outputs.append(RequestOutput(group[0].request_id, prompt if isinstance(prompt, str) else None, token_ids))
             groups.append(group)
         for group in groups:

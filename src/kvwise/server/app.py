@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvwise.engine.core import ContextLengthError, EngineCore
 from kvwise.engine.detokenizer import IncrementalText
+from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 from kvwise.server.api_keys import KeyEntry, find_key
 from kvwise.server.async_engine import AsyncEngine, EngineFailure
@@ -129,15 +130,18 @@ class _Handlers:
             )
         prompts = self._chat_prompts(body) if chat else self._completion_prompts(body)
         params = self._sampling(body, chat, max(map(len, prompts)))
+        kv = self._kv_settings(body)
         requests = []
         for prompt_index, token_ids in enumerate(prompts):
             try:
                 for index in range(params.n):
-                    request = self.core.make_request(token_ids, params, index, tenant=caller.tenant)
+                    request = self.core.make_request(token_ids, params, index, tenant=caller.tenant, kv=kv)
                     request.shared_prefix = caller.shared_prefix
                     request.choice = prompt_index * params.n + index
                     requests.append(request)
-            except ContextLengthError as error:
+            except ValueError as error:
+                if not isinstance(error, ContextLengthError):
+                    raise OpenAIError(400, str(error)) from None
                 raise OpenAIError(
                     413, str(error), param="messages" if chat else "prompt", code="context_length_exceeded"
                 ) from None
@@ -222,6 +226,18 @@ class _Handlers:
             )
         except ValueError as error:
             raise OpenAIError(400, str(error)) from None
+
+    @staticmethod
+    def _kv_settings(body) -> KVSettings | None:
+        """kvwise's per-request KV options (kv_policy, kv_ratio, kv_quant, max_kv_tokens), or None."""
+        if body.kv_policy is None and body.kv_ratio is None and body.max_kv_tokens is None and body.kv_quant is None:
+            return None
+        try:
+            return KVSettings(
+                body.kv_policy or "snapkv", body.kv_ratio or 0.0, max_kv_tokens=body.max_kv_tokens, quant=body.kv_quant
+            )
+        except ValueError as error:
+            raise OpenAIError(400, str(error), param="kv_policy") from None
 
     # ---- answers -------------------------------------------------------------------------------
     async def _wait(self, http: Request, requests, events: asyncio.Queue):

@@ -44,3 +44,28 @@ def test_n_seeds_logprobs_and_stop(llm):
 def test_prompt_longer_than_the_context(llm):
     with pytest.raises(ValueError, match="maximum context is 8192"):
         llm.generate([[1] * 8190], SamplingParams(max_tokens=10), use_tqdm=False)
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_mixed_lengths_equal_generate_with_reuse_on_and_off(smollm, prefix_caching):
+    model, tokenizer = smollm
+    config = CacheConfig(block_size=16, num_blocks=256, token_budget=96, prefix_caching=prefix_caching)
+    engine = LLM(model, config, tokenizer=tokenizer)
+    shared = "You are a careful assistant who answers in one short sentence. " * 4
+    prompts = [shared + "What is the capital of Italy?", shared + "Name a colour.", "Two plus two is", shared]
+    params = SamplingParams(temperature=0, max_tokens=8)
+    try:
+        first = engine.generate(prompts, params, use_tqdm=False)
+        second = engine.generate(prompts, params, use_tqdm=False)  # with reuse on, the prompts are cached now
+    finally:
+        model.set_attn_implementation("sdpa")
+    for prompt, one, two in zip(prompts, first, second):
+        ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt").input_ids
+        with torch.no_grad():
+            expected = model.generate(ids, max_new_tokens=8, do_sample=False)[0, ids.shape[1] :].tolist()
+        if expected[-1] == tokenizer.eos_token_id:  # the engine reports text tokens, not the EOS that ended them
+            expected = expected[:-1]
+        assert one.outputs[0].token_ids == two.outputs[0].token_ids == expected
+    reused = sum(request.reused for output in second for request in output.requests)
+    assert (reused > 0) == prefix_caching
+    model.set_attn_implementation("kvwise")

@@ -164,3 +164,32 @@ def test_kv_settings_errors():
         KVSettings("kvzip", ratio=0.5)
     with pytest.raises(ValueError, match="running statistics"):
         KVSettings("h2o", max_kv_tokens=8)
+
+
+@pytest.mark.parametrize("swap_space_bytes", [0, 1 << 24])
+def test_preemption_by_recompute_or_host_swap_keeps_outputs(llama, swap_space_bytes):
+    from tests.conftest import random_ids
+
+    prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (9, 14, 11, 7)]
+    params = SamplingParams(temperature=0, max_tokens=20)
+    roomy = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=64, swap_space_bytes=0))
+    expected = [roomy.make_request(p, params) for p in prompts]
+    _run(roomy, expected)
+    # 16 blocks hold 64 tokens; four requests need up to 34 each: the newest are preempted
+    tight = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=16, swap_space_bytes=swap_space_bytes))
+    outputs = [tight.make_request(p, params) for p in prompts]
+    streamed = {id(r): [] for r in outputs}
+    for request in outputs:
+        tight.add(request)
+    while tight.has_work:
+        for event in tight.step():
+            streamed[id(event.request)].append(event.token)
+    assert tight.scheduler.preemptions > 0
+    assert [r.output for r in outputs] == [r.output for r in expected]
+    assert [streamed[id(r)] for r in outputs] == [r.output for r in expected]  # no token sent twice
+    if swap_space_bytes:
+        assert tight.swap.swapped_out_blocks > 0 and tight.swap.swapped_in_blocks == tight.swap.swapped_out_blocks
+        assert tight.scheduler.recomputed_blocks == 0 and tight.swap.used_bytes == 0
+    else:
+        assert tight.scheduler.recomputed_blocks > 0
+    assert_only_prefix_cache_holds_blocks(tight)

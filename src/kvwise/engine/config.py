@@ -14,8 +14,12 @@ class CacheConfig:
     )
     max_running: int = 64
     prefix_caching: bool = True
+    # host memory for preempted requests' KV (vLLM's swap space); 0: preemption recomputes
+    swap_space_bytes: int = 4 << 30
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "token_budget", "max_running"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.swap_space_bytes < 0:
+            raise ValueError(f"swap_space_bytes must be >= 0, got {self.swap_space_bytes}")

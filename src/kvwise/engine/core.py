@@ -21,6 +21,7 @@ from kvwise.engine.request import Request
 from kvwise.engine.runner import ModelRunner
 from kvwise.engine.sampling import SamplingParams, find_stop, sample
 from kvwise.engine.scheduler import Scheduler, default_namespace
+from kvwise.engine.swap import HostSwap
 from kvwise.hf.geometry import kv_geometry, paged_storage_for
 
 
@@ -58,12 +59,14 @@ class EngineCore:
         self.tree = RadixCache(self.pool) if config.prefix_caching else None
         shape = kv_geometry(model)
         self.model_id = shape.model_id
+        self.swap = HostSwap(self.storage, config.swap_space_bytes) if config.swap_space_bytes else None
         self.scheduler = Scheduler(
             self.pool,
             self.tree,
             default_namespace(shape.model_id, str(shape.dtype)),
             config.token_budget,
             config.max_running,
+            swap=self.swap,
         )
         self.runner = ModelRunner(model, self.storage)
         text_config = model.config.get_text_config(decoder=True)
@@ -150,11 +153,13 @@ class EngineCore:
             kv_tokens = request.reused + compaction.keep
             request.kv_offset = compaction.end - kv_tokens
             self.scheduler.shrink(request, kv_tokens)
-        finishing = [chunk for chunk in step.chunks if chunk.end >= len(chunk.request.prompt)]
-        rows = [index for index, chunk in enumerate(step.chunks) if chunk.end >= len(chunk.request.prompt)]
+        # a chunk that reaches its request's prefill target (the prompt, or prompt + output after a
+        # recompute) samples the next token; earlier prompt chunks only fill the cache
+        finishing = [chunk for chunk in step.chunks if chunk.end >= chunk.request.prefill_target]
+        rows = [index for index, chunk in enumerate(step.chunks) if chunk.end >= chunk.request.prefill_target]
         sampled = sample(logits[rows], [c.request.params for c in finishing], [c.request.generator for c in finishing])
         for chunk in step.chunks:
-            if chunk.end < len(chunk.request.prompt):
+            if chunk.end < chunk.request.prefill_target:
                 self.scheduler.complete(chunk, None)
         events = []
         for chunk, token in zip(finishing, sampled):
@@ -184,7 +189,7 @@ class EngineCore:
                 continue
             private = chunk.end - request.kv_offset - request.reused  # private KV slots after this chunk
             keep = private
-            if chunk.end == len(request.prompt) and settings.ratio > 0:
+            if chunk.end == request.prefill_target and settings.ratio > 0:
                 keep = max(1, math.ceil(private * (1 - settings.ratio)))
             cap = settings.max_kv_tokens
             if cap is not None and (keep > cap + self.pool.block_size or (keep < private and keep > cap)):

@@ -40,6 +40,8 @@ class Request:
     reserved: bool = False  # its first private allocation is made (whole or step by step)
     kv: Any = None  # KVSettings: its own eviction of private tokens, or None
     kv_offset: int = 0  # tokens evicted: a token at position p sits at KV index p - kv_offset
+    recompute_to: int | None = None  # set by a recompute preemption: len(tokens) then
+    swapped: Any = None  # SwappedKV while preempted to host memory
     compacted_positions: Any = None  # [layers, kv_heads, n] original positions of the compacted private slots
     preemptions: int = 0
     index: int = 0  # which of the prompt's `n` completions this is
@@ -55,8 +57,14 @@ class Request:
         return self.prompt + self.output
 
     @property
+    def prefill_target(self) -> int:
+        """Tokens to compute before sampling: the prompt, or after a recompute preemption the
+        prompt and the output so far (the output is kept, so streams never repeat)."""
+        return len(self.prompt) if self.recompute_to is None else self.recompute_to
+
+    @property
     def prefilling(self) -> bool:
-        return self.computed < len(self.prompt)
+        return self.computed < self.prefill_target
 
     @property
     def done(self) -> bool:

@@ -10,7 +10,8 @@ prefix blocks from the radix tree (locked while it runs).
 Memory is checked before it is taken. When a step cannot get the blocks it needs, the prefix
 cache gives up unlocked blocks first; if that is not enough, the most recently admitted running
 request is preempted: its blocks are released and it goes back to the front of the queue to be
-recomputed (its cached prefix usually survives in the tree).
+recomputed (its cached prefix usually survives in the tree), or, with a host swap space, its
+blocks are copied to host memory and copied back when it runs again.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class Scheduler:
         token_budget: int = 512,
         max_running: int = 64,
         fcfs_queue_length: int = 32,
+        swap=None,
     ):
         """namespace_of(request) -> Namespace: the request's prefix namespace (tenant, model, format)."""
         if token_budget < 1 or max_running < 1:
@@ -70,6 +72,8 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self.swap = swap  # HostSwap: preempt by spilling to host memory (None: always recompute)
+        self.recomputed_blocks = 0  # device blocks dropped by recompute preemptions
         self.on_admit: list = []  # callables(request), after its cached prefix is matched (metrics)
 
     # ---- queue ---------------------------------------------------------------------------------
@@ -80,6 +84,9 @@ class Scheduler:
         """Stop a request wherever it is and free what it holds."""
         if request in self.waiting:
             self.waiting.remove(request)
+        if request.swapped is not None:
+            self.swap.drop(request.swapped)
+            request.swapped = None
         if request in self.running:
             self.running.remove(request)
             self._release(request)
@@ -108,6 +115,12 @@ class Scheduler:
             budget = self._schedule_prefill(request, budget, step)
         while budget > 0 and self.waiting and len(self.running) < self.max_running:
             request = self._next_waiting()
+            if request.swapped is not None:  # preempted to host memory: copy back, continue
+                if not self._swap_in(request):
+                    self.waiting.appendleft(request)
+                    break
+                budget = self._schedule_prefill(request, budget, step)
+                continue
             self._admit(request)
             before = budget
             budget = self._schedule_prefill(request, budget, step)
@@ -135,7 +148,7 @@ class Scheduler:
     def _schedule_prefill(self, request: Request, budget: int, step: Step) -> int:
         if budget == 0 or request not in self.running:
             return budget
-        end = min(len(request.prompt), request.computed + budget)
+        end = min(request.prefill_target, request.computed + budget)
         if end > request.computed and self._reserve(request, end, step):
             step.prefills.append(Chunk(request, request.computed, end))
             budget -= end - request.computed
@@ -199,11 +212,19 @@ class Scheduler:
         return True
 
     def _preempt(self, request: Request, step: Step) -> None:
+        """Spill the request's KV to host memory when the swap space has room (it resumes where it
+        stopped); otherwise drop it and recompute prompt and output later (the output is kept)."""
         self.running.remove(request)
-        self._release(request)
-        request.computed = request.reused = request.kv_offset = 0
-        request.compacted_positions = None
-        request.output = []  # recomputed from the prompt (greedy/seeded outputs come out the same)
+        if self.swap is not None and request.blocks and self.swap.can_hold(len(request.blocks)):
+            request.swapped = self.swap.swap_out(request.blocks)
+            self._release(request)
+            request.reserved = True
+        else:
+            self.recomputed_blocks += len(request.blocks)
+            self._release(request)
+            request.computed = request.reused = request.kv_offset = 0
+            request.compacted_positions = None
+            request.recompute_to = len(request.tokens) if request.output else None
         request.status = Status.WAITING
         request.preemptions += 1
         self.preemptions += 1
@@ -211,6 +232,18 @@ class Scheduler:
         step.preempted.append(request)
         step.decodes = [chunk for chunk in step.decodes if chunk.request is not request]
         step.prefills = [chunk for chunk in step.prefills if chunk.request is not request]
+
+    def _swap_in(self, request: Request) -> bool:
+        needed = request.swapped.num_blocks
+        if not self.pool.can_allocate(needed) and self.tree is not None:
+            self.tree.evict(needed - self.pool.num_free)
+        if not self.pool.can_allocate(needed):
+            return False
+        request.blocks = self.pool.allocate(needed)
+        self.swap.swap_in(request.swapped, request.blocks)
+        request.swapped, request.status = None, Status.RUNNING
+        self.running.append(request)
+        return True
 
     def shrink(self, request: Request, kv_tokens: int) -> None:
         """Give back the blocks past a request's first `kv_tokens` KV slots (after its eviction)."""

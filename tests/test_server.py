@@ -111,6 +111,16 @@ def test_per_request_kv_policy(server):
         api.completions.create(
             model=MODEL, prompt="hi", max_tokens=1, extra_body={"kv_policy": "nope", "kv_ratio": 0.5}
         )
+    quantized = api.completions.create(
+        model=MODEL,
+        prompt=long_prompt,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"kv_quant": "kivi4", "ignore_eos": True},
+    )
+    assert quantized.usage.completion_tokens == 4
+    with pytest.raises(openai.BadRequestError, match="unknown quantizer"):
+        api.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"kv_quant": "int3"})
     with pytest.raises(openai.BadRequestError, match="kv_ratio"):
         api.completions.create(model=MODEL, prompt="hi", max_tokens=1, extra_body={"kv_ratio": 1.5})
 

@@ -17,6 +17,7 @@ from kvwise.core.block_pool import BlockPool
 from kvwise.core.radix import RadixCache
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.request import Request
 from kvwise.engine.runner import ModelRunner
 from kvwise.engine.sampling import SamplingParams, find_stop, sample
@@ -68,7 +69,9 @@ class EngineCore:
             config.max_running,
             swap=self.swap,
         )
-        self.runner = ModelRunner(model, self.storage)
+        self.quant_pools: dict[str, QuantPool] = {}  # per quantizer name, made when first asked for
+        self.scheduler.release_quantized = lambda request, ids: self.quant_pools[request.kv.quant].release(ids)
+        self.runner = ModelRunner(model, self.storage, self.quant_pools)
         text_config = model.config.get_text_config(decoder=True)
         self.sliding_window = getattr(text_config, "sliding_window", None) and getattr(
             text_config, "use_sliding_window", True
@@ -111,7 +114,7 @@ class EngineCore:
     ):
         """kv: the request's own eviction of its private tokens (shared prefixes stay intact)."""
         self.check_fits(len(token_ids), params.max_tokens)
-        if kv is not None and kv.active and self.sliding_window:
+        if kv is not None and kv.evicts and self.sliding_window:
             raise ValueError("per-request KV eviction is not supported on models with sliding-window layers")
         seed = None if params.seed is None else params.seed + index
         return Request(
@@ -123,6 +126,30 @@ class EngineCore:
             logprobs=[] if params.logprobs is not None else None,
             kv=kv if kv is not None and kv.active else None,
         )
+
+    def _quant_pool(self, name: str) -> QuantPool:
+        if name not in self.quant_pools:
+            self.quant_pools[name] = QuantPool(name, self.storage, self.cache_config.num_blocks)
+        return self.quant_pools[name]
+
+    def _quantize_settled_blocks(self) -> None:
+        """Move running requests' full private blocks outside the residual window to their QuantPool."""
+        block = self.pool.block_size
+        for request in self.scheduler.running:
+            if request.kv is None or request.kv.quant is None or request.prefilling:
+                continue
+            quant = self._quant_pool(request.kv.quant)
+            first = max(request.reused // block, 1)  # the shared prefix and the sink block stay
+            full = (request.computed - request.kv_offset) // block
+            settled = [i for i in range(first, full - quant.residual_blocks) if request.blocks[i] >= 0]
+            if not settled:
+                continue
+            ids = quant.store(self.storage, [request.blocks[i] for i in settled])
+            if ids is None:
+                continue  # the quantized pool is full: the blocks stay as they are
+            self.pool.release([request.blocks[i] for i in settled])
+            for index, quantized in zip(settled, ids):
+                request.blocks[index] = -1 - quantized
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
@@ -153,6 +180,7 @@ class EngineCore:
             kv_tokens = request.reused + compaction.keep
             request.kv_offset = compaction.end - kv_tokens
             self.scheduler.shrink(request, kv_tokens)
+        self._quantize_settled_blocks()
         # a chunk that reaches its request's prefill target (the prompt, or prompt + output after a
         # recompute) samples the next token; earlier prompt chunks only fill the cache
         finishing = [chunk for chunk in step.chunks if chunk.end >= chunk.request.prefill_target]
@@ -185,7 +213,7 @@ class EngineCore:
         for chunk in chunks:
             request = chunk.request
             settings = request.kv
-            if settings is None:
+            if settings is None or not settings.evicts:
                 continue
             private = chunk.end - request.kv_offset - request.reused  # private KV slots after this chunk
             keep = private

@@ -7,6 +7,8 @@
   the best (1 - ratio) of them; the freed blocks go back to the pool, zeroed.
 - `max_kv_tokens`: during decoding, whenever the private tokens exceed it by a block, the
   policy evicts down to it again.
+- `quant` (kivi2, kivi4, int8, fp8): once the prefill is done, full private blocks outside the
+  quantizer's residual window (and the first, sink block) are stored quantized (`QuantPool`).
 
 Shared prefix blocks are never touched, and a request with settings never publishes its
 private blocks to the prefix cache (they hold its compressed state, not the prompt's).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvwise.kv.quantizer import make_quantizer
 from kvwise.policies.base import Policy
 from kvwise.policies.registry import make_policy
 
@@ -35,10 +38,13 @@ class KVSettings:
             raise ValueError(f"kv_ratio must be in [0, 1) (the fraction of KV removed), got {self.ratio}")
         if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
             raise ValueError(f"max_kv_tokens must be >= 1, got {self.max_kv_tokens}")
+        if self.quant is not None and make_quantizer(self.quant) is None:  # also: clear errors for bad names
+            self.quant = None
         if self.quant is not None:
-            raise ValueError(
-                "kv_quant is not available per request in the engine yet; quantize with KVWiseCache(..., quant=...)"
-            )
+            if self.max_kv_tokens is not None:
+                raise ValueError(
+                    "max_kv_tokens cannot be combined with kv_quant in the engine (quantized blocks are final)"
+                )
         self.scorer = make_policy(self.policy)
         reasons = {
             "needs a second pass over the context": self.scorer.needs_context_pass,
@@ -50,5 +56,9 @@ class KVSettings:
                 raise ValueError(f"policy {self.policy!r} {reason}, which the engine's per-request KV does not support")
 
     @property
-    def active(self) -> bool:
+    def evicts(self) -> bool:
         return not self.scorer.keeps_everything and (self.ratio > 0 or self.max_kv_tokens is not None)
+
+    @property
+    def active(self) -> bool:
+        return self.evicts or self.quant is not None

@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvwise.engine.compaction import Compaction
+from kvwise.engine.quant_pool import QuantPool, quantized_id
 from kvwise.engine.scheduler import Chunk
 from kvwise.kv.paged import PagedKVStorage
 
@@ -41,6 +42,7 @@ class AttentionGroup:
     query_positions: torch.Tensor  # [C, queries per chunk]: each query's position in its sequence
     causal: bool = False
     first_block: int | None = None  # one chunk whose blocks are consecutive: read them as a slice
+    mixed: MixedBlocks | None = None  # one chunk whose table holds quantized blocks
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def window_mask(self, window: int) -> torch.Tensor:
@@ -51,6 +53,30 @@ class AttentionGroup:
             queries = self.query_positions[:, :, None]
             self._windowed[window] = ((keys <= queries) & (keys > queries - window))[:, None]
         return self._windowed[window]
+
+
+@dataclass
+class MixedBlocks:
+    """A table of device blocks and quantized ones (negative entries): where each kind goes."""
+
+    device_slots: torch.Tensor  # [n_device] positions in the table
+    device_ids: torch.Tensor  # [n_device] device block ids
+    quantized_slots: torch.Tensor
+    quantized_ids: torch.Tensor  # QuantPool ids
+    pool: QuantPool
+    length: int  # table entries
+
+    def read(self, storage: PagedKVStorage, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [length, block_size, kv_heads, head_dim], quantized blocks restored."""
+        template = storage.keys[layer]
+        keys = template.new_empty((self.length, *template.shape[1:]))
+        values = template.new_empty((self.length, *template.shape[1:]))
+        keys.index_copy_(0, self.device_slots, template.index_select(0, self.device_ids))
+        values.index_copy_(0, self.device_slots, storage.values[layer].index_select(0, self.device_ids))
+        restored_keys, restored_values = self.pool.read(layer, self.quantized_ids)
+        keys.index_copy_(0, self.quantized_slots, restored_keys)
+        values.index_copy_(0, self.quantized_slots, restored_values)
+        return keys, values
 
 
 @dataclass
@@ -82,7 +108,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     for group in layout.groups:
         # index_select reads whole blocks; advanced indexing with a 2-D table is 4x slower on CPU
         shape = (group.chunks, -1, kv_heads, head_dim)
-        if group.first_block is not None:  # no copy at all
+        if group.mixed is not None:
+            keys, values = group.mixed.read(storage, layer)
+            keys, values = keys.view(shape)[:, : group.keys_per_chunk], values.view(shape)[:, : group.keys_per_chunk]
+        elif group.first_block is not None:  # no copy at all
             span = slice(group.first_block, group.first_block + len(group.blocks))
             keys = storage.keys[layer][span].view(shape)[:, : group.keys_per_chunk]
             values = storage.values[layer][span].view(shape)[:, : group.keys_per_chunk]
@@ -147,11 +176,12 @@ def register_paged_attention() -> None:
 
 
 class ModelRunner:
-    def __init__(self, model, storage: PagedKVStorage):
+    def __init__(self, model, storage: PagedKVStorage, quant_pools: dict[str, QuantPool] | None = None):
         register_paged_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.model, self.storage, self.block_size = model, storage, storage.block_size
         self.compactions: list[Compaction] = []
+        self.quant_pools = quant_pools if quant_pools is not None else {}
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk], compact: dict[int, int] | None = None) -> torch.Tensor:
@@ -164,7 +194,9 @@ class ModelRunner:
         device = self.model.device
         # Attention per sequence over its blocks read in place (no gather) measured no faster on
         # CPU than these batched buckets: SDPA's cost per call eats the saved copy.
-        buckets = decode_buckets([c for c in chunks if c.end - c.start == 1], self.block_size)
+        decodes = [c for c in chunks if c.end - c.start == 1]
+        plain = [c for c in decodes if not _has_quantized(c.request)]
+        buckets = decode_buckets(plain, self.block_size) + [[c] for c in decodes if _has_quantized(c.request)]
         prefills = [c for c in chunks if c.end - c.start > 1]
         ordered = [chunk for bucket in buckets for chunk in bucket] + prefills  # the flat token order
         layout = self._layout(buckets, prefills, device)
@@ -212,8 +244,9 @@ class ModelRunner:
         mask = torch.arange(max_blocks * block, device=device)[None, :] < ends[:, None]  # [C, keys]
         blocks, positions = torch.tensor(table, device=device), (ends - 1)[:, None]
         if len(chunks) == 1:
+            mixed = self._mixed(chunks[0].request, table, device)
             return AttentionGroup(
-                first, first + 1, 1, blocks, int(ends[0]), None, positions, first_block=_run_start(table)
+                first, first + 1, 1, blocks, int(ends[0]), None, positions, first_block=_run_start(table), mixed=mixed
             )
         return AttentionGroup(
             first, first + len(chunks), len(chunks), blocks, max_blocks * block, mask[:, None, None], positions
@@ -227,12 +260,29 @@ class ModelRunner:
         blocks, run = torch.tensor(table, device=device), _run_start(table)
         last = first + end - start
         query_positions = torch.arange(start, end, device=device)
+        mixed = self._mixed(chunk.request, table, device)
         if start == 0:
             return AttentionGroup(
-                first, last, 1, blocks, end, None, query_positions[None], causal=True, first_block=run
+                first, last, 1, blocks, end, None, query_positions[None], causal=True, first_block=run, mixed=mixed
             )
         mask = torch.arange(end, device=device)[None, :] <= query_positions[:, None]  # [queries, keys]
-        return AttentionGroup(first, last, 1, blocks, end, mask[None, None], query_positions[None], first_block=run)
+        return AttentionGroup(
+            first, last, 1, blocks, end, mask[None, None], query_positions[None], first_block=run, mixed=mixed
+        )
+
+    def _mixed(self, request, table: list[int], device) -> MixedBlocks | None:
+        if not table or min(table) >= 0:
+            return None
+        device_slots = [index for index, block in enumerate(table) if block >= 0]
+        quantized_slots = [index for index, block in enumerate(table) if block < 0]
+        return MixedBlocks(
+            torch.tensor(device_slots, device=device, dtype=torch.long),
+            torch.tensor([table[i] for i in device_slots], device=device, dtype=torch.long),
+            torch.tensor(quantized_slots, device=device),
+            torch.tensor([quantized_id(table[i]) for i in quantized_slots], device=device),
+            self.quant_pools[request.kv.quant],
+            len(table),
+        )
 
     def _compactions(self, ordered: list[Chunk], compact: dict[int, int], device) -> list[Compaction]:
         """What to evict in this forward: each chunk's private region [reused, end) in KV slots."""
@@ -262,6 +312,10 @@ class ModelRunner:
                 )
             first += length
         return plans
+
+
+def _has_quantized(request) -> bool:
+    return request.kv is not None and request.kv.quant is not None and bool(request.blocks) and min(request.blocks) < 0
 
 
 def _kv_span(chunk: Chunk) -> tuple[int, int]:

@@ -74,6 +74,7 @@ class Scheduler:
         self.preemptions = 0
         self.swap = swap  # HostSwap: preempt by spilling to host memory (None: always recompute)
         self.recomputed_blocks = 0  # device blocks dropped by recompute preemptions
+        self.release_quantized = None  # callable(request, quantized ids), set by the engine
         self.on_admit: list = []  # callables(request), after its cached prefix is matched (metrics)
 
     # ---- queue ---------------------------------------------------------------------------------
@@ -215,7 +216,8 @@ class Scheduler:
         """Spill the request's KV to host memory when the swap space has room (it resumes where it
         stopped); otherwise drop it and recompute prompt and output later (the output is kept)."""
         self.running.remove(request)
-        if self.swap is not None and request.blocks and self.swap.can_hold(len(request.blocks)):
+        swappable = request.blocks and min(request.blocks) >= 0  # quantized blocks are recomputed
+        if self.swap is not None and swappable and self.swap.can_hold(len(request.blocks)):
             request.swapped = self.swap.swap_out(request.blocks)
             self._release(request)
             request.reserved = True
@@ -249,7 +251,7 @@ class Scheduler:
         """Give back the blocks past a request's first `kv_tokens` KV slots (after its eviction)."""
         keep = -(-kv_tokens // self.block_size)
         if keep < len(request.blocks):
-            self.pool.release(request.blocks[keep:])
+            self._give_back(request, request.blocks[keep:])
             request.blocks = request.blocks[:keep]
 
     @staticmethod
@@ -262,8 +264,16 @@ class Scheduler:
         if self.tree is not None and request.locked_nodes:
             self.tree.unlock(request.locked_nodes)
         if request.blocks:
-            self.pool.release(request.blocks)
+            self._give_back(request, request.blocks)
         request.blocks, request.locked_nodes = [], []
+
+    def _give_back(self, request: Request, blocks: list[int]) -> None:
+        """Release device blocks, and quantized ones (negative table entries) to their QuantPool."""
+        device = [block for block in blocks if block >= 0]
+        if device:
+            self.pool.release(device)
+        if len(device) < len(blocks):
+            self.release_quantized(request, [-1 - block for block in blocks if block < 0])
 
 
 def default_namespace(model_id: str, kv_format: str = ""):

@@ -97,8 +97,19 @@ class _StateCollector:
         if swap is not None:
             usage.add_metric(["host"], swap.used_bytes)
             capacity.add_metric(["host"], swap.capacity_bytes)
+        quantized = sum(pool.used_bytes() for pool in core.quant_pools.values())
+        usage.add_metric(["device_quantized"], quantized)
         yield usage
         yield capacity
+        error = GaugeMetricFamily(
+            "kvwise_quantization_relative_error",
+            "Mean relative reconstruction error of the blocks stored quantized, per quantizer",
+            labels=["quantizer", "part"],
+        )
+        for name, pool in list(core.quant_pools.items()):
+            error.add_metric([name, "keys"], pool.mean_error("keys"))
+            error.add_metric([name, "values"], pool.mean_error("values"))
+        yield error
         given_up = spilled + core.scheduler.recomputed_blocks + evicted
         yield GaugeMetricFamily(
             "kvwise_spill_ratio",

@@ -1,0 +1,84 @@
+"""`QuantPool`: quantized copies of requests' private blocks, for per-request `kv_quant`.
+
+A request that asks for a quantizer keeps its shared prefix, its first block (the attention
+sink) and its newest `residual_length` tokens in the model's dtype; every other full private
+block moves here once its prefill is done: it is quantized whole (a KIVI key group is one block
+of one head), its full-precision block goes back to the device pool (zeroed), and the request's
+block table points at the quantized block instead (as -1 - id). Attention reads such blocks
+back through `read`; the bytes saved are real.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvwise.core.block_pool import BlockPool
+from kvwise.kv.blocks import QuantizedBlocks
+from kvwise.kv.paged import PagedKVStorage
+from kvwise.kv.quantizer import make_quantizer
+
+
+def quantized_id(entry: int) -> int:
+    """The QuantPool id behind a negative block-table entry."""
+    return -1 - entry
+
+
+class QuantPool:
+    def __init__(self, name: str, storage: PagedKVStorage, num_blocks: int):
+        self.name = name
+        self.quantizer = make_quantizer(name)
+        layer = storage.keys[0]
+        self.block_size, self.dtype, self.device = storage.block_size, layer.dtype, layer.device
+        heads, head_dim = layer.shape[2], layer.shape[3]
+        self.layers = [
+            QuantizedBlocks(self.quantizer, num_blocks, self.block_size, heads, head_dim, layer.device)
+            for _ in storage.keys
+        ]
+        self.pool = BlockPool(num_blocks, self.block_size)
+        self.pool.on_release(self._zero)
+        self.block_bytes = sum(blocks.nbytes() for blocks in self.layers) // num_blocks
+        self.error_sum = {"keys": 0.0, "values": 0.0}
+        self.quantized_blocks = 0
+
+    @property
+    def residual_blocks(self) -> int:
+        return -(-self.quantizer.residual_length // self.block_size)
+
+    def store(self, storage: PagedKVStorage, blocks: list[int]) -> list[int] | None:
+        """Quantize device `blocks` (every layer); returns their QuantPool ids, or None when full.
+        The relative reconstruction error of each block is measured once, here."""
+        if not self.pool.can_allocate(len(blocks)):
+            return None
+        ids = self.pool.allocate(len(blocks))
+        source = torch.tensor(blocks, device=storage.keys[0].device)
+        target = torch.tensor(ids, device=source.device)
+        for layer, quantized in enumerate(self.layers):
+            keys, values = storage.keys[layer].index_select(0, source), storage.values[layer].index_select(0, source)
+            quantized.write(target, keys, values)
+            restored_keys, restored_values = quantized.read(target, self.dtype)
+            self.error_sum["keys"] += _relative_error(keys, restored_keys) * len(blocks) / len(self.layers)
+            self.error_sum["values"] += _relative_error(values, restored_values) * len(blocks) / len(self.layers)
+        self.quantized_blocks += len(blocks)
+        return ids
+
+    def read(self, layer: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [n, block_size, kv_heads, head_dim] in the model's dtype."""
+        return self.layers[layer].read(ids, self.dtype)
+
+    def release(self, ids: list[int]) -> None:
+        self.pool.release(ids)
+
+    def mean_error(self, part: str) -> float:
+        return self.error_sum[part] / self.quantized_blocks if self.quantized_blocks else 0.0
+
+    def used_bytes(self) -> int:
+        return self.pool.stats().used * self.block_bytes
+
+    def _zero(self, ids: list[int]) -> None:
+        index = torch.tensor(ids, device=self.device)
+        for quantized in self.layers:
+            quantized.zero(index)
+
+
+def _relative_error(original: torch.Tensor, restored: torch.Tensor) -> float:
+    return float((original - restored).float().norm() / original.float().norm().clamp_min(1e-12))

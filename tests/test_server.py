@@ -196,7 +196,13 @@ def test_concurrent_requests_and_a_full_queue(server):
 def test_a_disconnect_mid_stream_cancels_and_frees(server):
     cancelled = server.value("kvwise_requests_total", outcome="cancelled")
     headers = {"Authorization": f"Bearer {KEYS['alice']}"}
-    body = {"model": MODEL, "prompt": "Write a very long story about a dragon.", "max_tokens": 400, "stream": True}
+    body = {
+        "model": MODEL,
+        "prompt": "Write a long story about a dragon.",
+        "max_tokens": 400,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with httpx.stream("POST", f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=60) as response:
         lines = response.iter_lines()
         received = [line for _, line in zip(range(6), lines) if line.startswith("data: ")]

@@ -22,32 +22,22 @@ import torch
 from tqdm import tqdm
 
 from kvwise.bench.environment import system_info
-from kvwise.bench.reuse import rag_requests
-from kvwise.bench.throughput import _FirstToken
+from kvwise.bench.rag_workload import RagWorkload, rag_requests
+from kvwise.bench.throughput import generate_timed
 from kvwise.hf.cache import full_kv_bytes
 
 
 @dataclass
-class RagConfig:
+class RagConfig(RagWorkload):
     model: str | None = None
     dtype: str | None = None  # None: the model's default (float32 on CPU), as `bench throughput`
-    requests: int = 24
     concurrency: int = 4
-    shared_fraction: float = 0.7
-    system_prompt_tokens: int = 500
-    documents: int = 6
-    document_tokens: tuple[int, int] = (1000, 2000)
-    question_tokens: tuple[int, int] = (50, 200)
-    output_tokens: int = 32
-    zipf_exponent: float = 1.1
-    seed: int = 0
     systems: tuple[str, ...] = ("hf-sequential", "kvwise-reuse-off", "kvwise-reuse-on")
 
     def __post_init__(self):
-        if self.requests < 2 or self.concurrency < 1 or self.output_tokens < 1:
-            raise ValueError("need requests >= 2, concurrency >= 1 and output_tokens >= 1")
-        if not 0.0 <= self.shared_fraction <= 1.0:
-            raise ValueError(f"shared_fraction must be in [0, 1], got {self.shared_fraction}")
+        super().__post_init__()
+        if self.concurrency < 1 or self.output_tokens < 1:
+            raise ValueError("need concurrency >= 1 and output_tokens >= 1")
         unknown = set(self.systems) - {"hf-sequential", "kvwise-reuse-off", "kvwise-reuse-on"}
         if unknown:
             raise ValueError(f"unknown systems {sorted(unknown)}; choose hf-sequential, kvwise-reuse-off/on")
@@ -92,18 +82,8 @@ def run_hf_sequential(model, prompts: list[list[int]], config: RagConfig, progre
     model.set_attn_implementation("sdpa")
     ttft, tpot, started = [], [], time.monotonic()
     for prompt in prompts:
-        arrival, streamer = time.monotonic(), _FirstToken()
-        with torch.no_grad():
-            model.generate(
-                torch.tensor([prompt], device=model.device),
-                max_new_tokens=config.output_tokens,
-                min_new_tokens=config.output_tokens,
-                do_sample=False,
-                pad_token_id=0,
-                streamer=streamer,
-            )
-        finished = time.monotonic()
-        first = streamer.first or finished
+        arrival, ids = time.monotonic(), torch.tensor([prompt])
+        first, finished = generate_timed(model, ids, torch.ones_like(ids), config.output_tokens)
         ttft.append(first - arrival)
         tpot.append((finished - first) / max(config.output_tokens - 1, 1))
         progress.update()

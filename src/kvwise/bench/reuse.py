@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from kvwise.bench.environment import system_info
 from kvwise.bench.haystack import read_haystack
+from kvwise.bench.rag_workload import RagWorkload, rag_requests
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.hashing import Namespace
 from kvwise.core.radix import RadixCache
@@ -33,28 +34,18 @@ from kvwise.tiers.host import HostTier
 
 
 @dataclass
-class ReuseConfig:
+class ReuseConfig(RagWorkload):
     model: str | None = None
     dtype: str = "bfloat16"
     block_size: int = 16
     tree_blocks: int = 100_000
     restore_tokens: int = 2000
-    requests: int = 24
-    shared_fraction: float = 0.7
-    system_prompt_tokens: int = 500
-    documents: int = 6
-    document_tokens: tuple[int, int] = (1000, 2000)
-    question_tokens: tuple[int, int] = (50, 200)
-    output_tokens: int = 32
-    zipf_exponent: float = 1.1
-    seed: int = 0
     redis_url: str | None = None  # None: start a throwaway local redis-server if one is installed
 
     def __post_init__(self):
-        if self.requests < 2 or self.tree_blocks < 1 or self.restore_tokens < self.block_size:
-            raise ValueError("need requests >= 2, tree_blocks >= 1 and restore_tokens >= block_size")
-        if not 0.0 <= self.shared_fraction <= 1.0:
-            raise ValueError(f"shared_fraction must be in [0, 1], got {self.shared_fraction}")
+        super().__post_init__()
+        if self.tree_blocks < 1 or self.restore_tokens < self.block_size:
+            raise ValueError("need tree_blocks >= 1 and restore_tokens >= block_size")
 
 
 def measure_lookup(tree_blocks: int, block_size: int, seed: int) -> float:
@@ -102,33 +93,6 @@ def measure_restore(model, ids: torch.Tensor, block_size: int, tiers: dict) -> d
                 raise RuntimeError(f"the {name} tier restored only {restored} tokens")
         speedups[name] = recompute / min(timings)
     return speedups
-
-
-def rag_requests(tokenizer, config: ReuseConfig) -> list[torch.Tensor]:
-    """The RAG workload's prompts as token ids [1, n], deterministic for a seed."""
-    rng = random.Random(config.seed)
-    stream = tokenizer(read_haystack(), add_special_tokens=False).input_ids
-    cursor = 0
-
-    def take(count: int) -> list[int]:
-        nonlocal cursor
-        if cursor + count > len(stream):
-            raise ValueError("the essays are too short for this RAG configuration")
-        piece = stream[cursor : cursor + count]
-        cursor += count
-        return piece
-
-    system_prompt = take(config.system_prompt_tokens)
-    documents = [take(rng.randint(*config.document_tokens)) for _ in range(config.documents)]
-    weights = [1.0 / (rank + 1) ** config.zipf_exponent for rank in range(config.documents)]
-    requests = []
-    for _ in range(config.requests):
-        shared = rng.random() < config.shared_fraction
-        document = rng.choices(documents, weights)[0]
-        question = take(rng.randint(*config.question_tokens))
-        prefix = system_prompt if shared else take(config.system_prompt_tokens)  # a one-off prompt
-        requests.append(torch.tensor([prefix + document + question]))
-    return requests
 
 
 def run_rag(model, requests: list[torch.Tensor], config: ReuseConfig, progress) -> dict:

@@ -66,6 +66,24 @@ class _FirstToken(BaseStreamer):
         pass
 
 
+def generate_timed(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> tuple[float, float]:
+    """Greedy `generate` of exactly `new_tokens` tokens for ids [batch, length] (mask alike);
+    returns when its first new token came out and when it finished (time.monotonic())."""
+    streamer = _FirstToken()
+    with torch.no_grad():
+        model.generate(
+            ids.to(model.device),
+            attention_mask=mask.to(model.device),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+            streamer=streamer,
+        )
+    done = time.monotonic()
+    return (streamer.first if streamer.first is not None else done), done
+
+
 def run_hf(model, prompts, config: ThroughputConfig, batch_size: int, progress) -> dict:
     model.set_attn_implementation("sdpa")
     started, first, finished = time.monotonic(), [], []
@@ -78,19 +96,8 @@ def run_hf(model, prompts, config: ThroughputConfig, batch_size: int, progress) 
         for row, prompt in enumerate(batch):  # left padding
             ids[row, width - len(prompt) :] = torch.tensor(prompt)
             mask[row, width - len(prompt) :] = 1
-        streamer = _FirstToken()
-        with torch.no_grad():
-            model.generate(
-                ids.to(model.device),
-                attention_mask=mask.to(model.device),
-                max_new_tokens=config.new_tokens,
-                min_new_tokens=config.new_tokens,
-                do_sample=False,
-                pad_token_id=0,
-                streamer=streamer,
-            )
-        done = time.monotonic()
-        first += [streamer.first if streamer.first is not None else done] * len(batch)
+        first_token, done = generate_timed(model, ids, mask, config.new_tokens)
+        first += [first_token] * len(batch)
         finished += [done] * len(batch)
         peak_tokens = max(peak_tokens, len(batch) * (width + config.new_tokens))
         progress.update(len(batch))

@@ -222,3 +222,27 @@ def test_a_per_request_quantizer_stores_private_blocks_quantized(llama):
     assert quantized.output[0] == plain[0].output[0]  # sampled before anything was quantized
     assert pool.pool.stats().used == 0  # quantized blocks went back too
     assert_only_prefix_cache_holds_blocks(core)
+
+
+def test_prompts_that_only_fit_one_at_a_time_still_finish(llama):
+    """Two 46-token prompts that fit a 64-token pool only one at a time, in 16-token chunks."""
+    from tests.conftest import random_ids
+
+    prompts = [random_ids(1, 46, seed=seed)[0].tolist() for seed in (1, 2)]  # 13 blocks each: no whole-run reservation
+    params = SamplingParams(temperature=0, max_tokens=4)
+    roomy = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=64))
+    expected = [roomy.make_request(p, params) for p in prompts]
+    _run(roomy, expected)
+    tight = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=16, token_budget=16, prefix_caching=False))
+    outputs = [tight.make_request(p, params) for p in prompts]
+    _run(tight, outputs)
+    assert [r.output for r in outputs] == [r.output for r in expected]
+    assert tight.pool.stats().used == 0
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(llama):
+    core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=16))
+    with pytest.raises(ValueError, match="outside the model's vocabulary of 128"):
+        core.encode([5, 128])
+    with pytest.raises(ValueError, match="token id -1"):
+        core.encode([-1])

@@ -86,3 +86,19 @@ def test_no_leak_after_many_requests_with_cancellations():
     for block, refs in enumerate(pool.ref_counts):
         assert refs == (1 if block in held else 0)  # free, or held only by the prefix cache
     assert all(node.locks == 0 for node in tree.nodes())
+
+
+def test_requests_stuck_mid_prefill_make_progress():
+    """Both running requests are prefilling and neither can get the blocks for its next chunk:
+    the chunk shrinks to what is free, and when nothing is free the newest gives its blocks back."""
+    pool, _, scheduler = make(num_blocks=7, budget=32)
+    first, second = Request(list(range(20)), SamplingParams(max_tokens=2)), Request(list(range(100, 120)))
+    for request in (first, second):
+        request.status = Status.RUNNING
+        request.blocks, request.computed, request.reserved = pool.allocate(3), 12, True
+        scheduler.running.append(request)
+    step = scheduler.schedule()  # one block free: first gets a 4-token chunk, second nothing
+    assert [(c.request, c.start, c.end) for c in step.prefills] == [(first, 12, 16)]
+    run_step(scheduler, step)
+    step = scheduler.schedule()  # nothing free: second is preempted, first finishes its prompt
+    assert step.preempted == [second] and [(c.request, c.end) for c in step.prefills] == [(first, 20)]

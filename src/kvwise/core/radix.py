@@ -88,8 +88,9 @@ class RadixCache:
         return math.inf if quota is None else quota
 
     # ---- lookups -----------------------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int], namespace: Namespace) -> Match:
-        """The longest run of cached full blocks at the start of `token_ids` (touches them)."""
+    def match_prefix(self, token_ids: Sequence[int], namespace: Namespace, touch: bool = True) -> Match:
+        """The longest run of cached full blocks at the start of `token_ids`; `touch` counts the
+        lookup as a use (LRU/LFU). A scheduler only comparing waiting requests passes False."""
         namespace_digest, parent_key, nodes = namespace.digest(), ROOT_KEY, []
         now = next(self._clock)
         for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
@@ -98,7 +99,8 @@ class RadixCache:
             node = self._by_key.get(key)
             if node is None or node.tokens != chunk:  # a hash collision never counts as a hit
                 break
-            node.last_access, node.hits = now, node.hits + 1
+            if touch:
+                node.last_access, node.hits = now, node.hits + 1
             nodes.append(node)
             parent_key = key
         return Match(nodes, len(nodes) * self.block_size)

@@ -54,6 +54,7 @@ class EngineCore:
         self.cache_config = config = cache_config or CacheConfig()
         self.max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
+        self.vocab_size = model.get_input_embeddings().num_embeddings
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.storage = paged_storage_for(model, config.num_blocks, config.block_size)
         self.storage.attach(self.pool)
@@ -89,6 +90,9 @@ class EngineCore:
             token_ids = [int(token) for token in prompt]
         if not token_ids:
             raise ValueError("a prompt must have at least one token")
+        bad = next((token for token in token_ids if not 0 <= token < self.vocab_size), None)
+        if bad is not None:  # caught here: inside a batched forward it would fail everyone's step
+            raise ValueError(f"token id {bad} is outside the model's vocabulary of {self.vocab_size} tokens")
         return token_ids
 
     def check_fits(self, prompt_tokens: int, max_tokens: int) -> None:
@@ -168,9 +172,12 @@ class EngineCore:
     def step(self) -> list[TokenEvent]:
         step = self.scheduler.schedule()
         if not step.chunks:
-            if self.scheduler.running or not self.scheduler.waiting:
+            if not self.has_work:
                 return []
-            raise RuntimeError("the block pool is too small for the next request")
+            raise RuntimeError(
+                f"the engine cannot make progress: {len(self.scheduler.running)} running and "
+                f"{len(self.scheduler.waiting)} waiting requests do not fit {self.pool.num_blocks} blocks"
+            )
         logits = self.runner.forward(step.chunks, self._evictions(step.chunks))
         self.peak_blocks = max(self.peak_blocks, self.pool.stats().used)
         for compaction in self.runner.compactions:  # real bytes back to the pool

@@ -114,7 +114,14 @@ class Scheduler:
                     budget -= 1
         for request in [r for r in self.running if r.prefilling]:
             budget = self._schedule_prefill(request, budget, step)
-        while budget > 0 and self.waiting and len(self.running) < self.max_running:
+        while not step.chunks and len(self.running) > 1:
+            # every running request is stuck mid-prefill waiting for blocks the others hold:
+            # give the newest one's back so the rest can move (without this nothing ever would)
+            self._preempt(self.running[-1], step)
+            for request in [r for r in self.running if r.prefilling]:
+                budget = self._schedule_prefill(request, budget, step)
+        # a step that had to preempt admits nobody: the victim would come straight back
+        while budget > 0 and self.waiting and len(self.running) < self.max_running and not step.preempted:
             request = self._next_waiting()
             if request.swapped is not None:  # preempted to host memory: copy back, continue
                 if not self._swap_in(request):
@@ -150,7 +157,13 @@ class Scheduler:
         if budget == 0 or request not in self.running:
             return budget
         end = min(request.prefill_target, request.computed + budget)
-        if end > request.computed and self._reserve(request, end, step):
+        if end > request.computed and not self._reserve(request, end, step):
+            # a shorter chunk in the blocks that are free (the prefix cache gave up what it could)
+            room = (len(request.blocks) + self.pool.num_free) * self.block_size + request.kv_offset
+            end = min(end, room)
+            if end <= request.computed or not self._reserve(request, end, step):
+                return budget
+        if end > request.computed:
             step.prefills.append(Chunk(request, request.computed, end))
             budget -= end - request.computed
         return budget
@@ -158,7 +171,9 @@ class Scheduler:
     def _next_waiting(self) -> Request:
         if self.tree is None or len(self.waiting) > self.fcfs_queue_length:
             return self.waiting.popleft()
-        best = max(self.waiting, key=lambda r: self.tree.match_prefix(r.prompt[:-1], self.namespace_of(r)).length)
+        best = max(
+            self.waiting, key=lambda r: self.tree.match_prefix(r.prompt[:-1], self.namespace_of(r), touch=False).length
+        )
         self.waiting.remove(best)
         return best
 

@@ -62,8 +62,9 @@ class HostSwap:
         device = self.storage.keys[0].device
         index = torch.tensor(blocks, device=device)
         for layer in range(len(self.storage.keys)):
-            self.storage.keys[layer].index_copy_(0, index, swapped.keys[layer].to(device, non_blocking=True))
-            self.storage.values[layer].index_copy_(0, index, swapped.values[layer].to(device, non_blocking=True))
+            # blocking copies: drop() zeroes the host copy next, which must not race a pending transfer
+            self.storage.keys[layer].index_copy_(0, index, swapped.keys[layer].to(device))
+            self.storage.values[layer].index_copy_(0, index, swapped.values[layer].to(device))
         self.drop(swapped)
         self.swapped_in_blocks += len(blocks)
 

@@ -135,6 +135,8 @@ def test_errors(server):
         api.completions.create(model="gpt-nope", prompt="hi", max_tokens=1)
     with pytest.raises(openai.BadRequestError, match="temperature"):
         api.completions.create(model=MODEL, prompt="hi", max_tokens=1, temperature=-1)
+    with pytest.raises(openai.BadRequestError, match="outside the model's vocabulary"):
+        api.completions.create(model=MODEL, prompt=[5, 10**9], max_tokens=1)
     with pytest.raises(openai.UnprocessableEntityError):
         api.completions.create(model=MODEL, prompt="hi", max_tokens="many")
     with pytest.raises(openai.APIStatusError, match="maximum context is 8192") as too_long:

@@ -34,6 +34,7 @@ class SamplingParams:
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= -1, f"top_k must be -1, 0 or positive, got {self.top_k}"),
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
+            (self.seed is None or 0 <= self.seed < 2**63 - 1024, f"seed must be in [0, 2**63), got {self.seed}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(isinstance(text, str) and text for text in self.stop), "stop must be non-empty strings"),
         ]

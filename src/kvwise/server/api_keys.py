@@ -11,6 +11,8 @@ import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvwise.core.hashing import SHARED_TENANT
+
 
 @dataclass(frozen=True)
 class KeyEntry:
@@ -31,6 +33,8 @@ def load_api_keys(path: str | Path) -> dict[str, KeyEntry]:
             continue
         if len(words) not in (2, 3) or (len(words) == 3 and words[2] != "shared"):
             raise ValueError(f"{path}:{number}: expected `KEY TENANT` or `KEY TENANT shared`, got {line.strip()!r}")
+        if words[1] == SHARED_TENANT:
+            raise ValueError(f"{path}:{number}: {SHARED_TENANT!r} is the shared namespace, not a tenant name")
         if words[0] in keys:
             raise ValueError(f"{path}:{number}: the key is listed twice")
         keys[words[0]] = KeyEntry(words[1], len(words) == 3)

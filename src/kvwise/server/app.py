@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
@@ -72,6 +73,8 @@ def create_app(core: EngineCore, settings: ServerSettings) -> FastAPI:
     async def health():
         if not engine.accepting:
             raise OpenAIError(503, "the server is shutting down", code="shutting_down")
+        if not engine.alive:
+            raise OpenAIError(503, "the engine thread has stopped; see the server log", code="engine_down")
         return {"status": "ok", "running": len(core.scheduler.running), "waiting": engine.queue_depth}
 
     @app.get("/metrics")
@@ -160,9 +163,13 @@ class _Handlers:
         declared = http.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
             raise OpenAIError(413, f"the request body is over {self.settings.max_body_bytes} bytes")
-        raw = await http.body()
-        if len(raw) > self.settings.max_body_bytes:
-            raise OpenAIError(413, f"the request body is over {self.settings.max_body_bytes} bytes")
+        chunks, size = [], 0
+        async for chunk in http.stream():  # counted as it arrives: a chunked body has no Content-Length
+            size += len(chunk)
+            if size > self.settings.max_body_bytes:
+                raise OpenAIError(413, f"the request body is over {self.settings.max_body_bytes} bytes")
+            chunks.append(chunk)
+        raw = b"".join(chunks)
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
@@ -242,14 +249,19 @@ class _Handlers:
     # ---- answers -------------------------------------------------------------------------------
     async def _wait(self, http: Request, requests, events: asyncio.Queue):
         """Every request's CompletionOutput; a client that goes away cancels them."""
-        remaining = set(requests)
+        remaining, poll = set(requests), self.settings.disconnect_poll_seconds
+        checked = time.monotonic()
         try:
             while remaining:
                 try:
-                    item = await asyncio.wait_for(events.get(), self.settings.disconnect_poll_seconds)
+                    item = await asyncio.wait_for(events.get(), poll)
                 except TimeoutError:
+                    item = None
+                if time.monotonic() - checked >= poll:  # also while tokens keep coming
+                    checked = time.monotonic()
                     if await http.is_disconnected():
-                        raise asyncio.CancelledError from None
+                        raise asyncio.CancelledError
+                if item is None:
                     continue
                 if isinstance(item, EngineFailure):
                     raise OpenAIError(500, str(item))

@@ -34,6 +34,7 @@ class AsyncEngine:
         self.accepting = True
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._pending_adds = 0  # requests handed to the thread and not yet in the scheduler
+        self._pending_lock = threading.Lock()
         self._wake = threading.Event()
         self._queues: dict[Request, asyncio.Queue] = {}
         self._stopping = False
@@ -64,7 +65,8 @@ class AsyncEngine:
         events: asyncio.Queue = asyncio.Queue()
         for request in requests:
             self._queues[request] = events
-        self._pending_adds += len(requests)
+        with self._pending_lock:
+            self._pending_adds += len(requests)
         self._commands.put(("add", requests))
         self._wake.set()
         return events
@@ -83,24 +85,32 @@ class AsyncEngine:
             await asyncio.sleep(poll_seconds)
 
     # ---- the engine thread ---------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive() or not self._thread.ident  # not started yet counts as alive
+
     def _run(self) -> None:
         while True:
-            self._apply_commands()
-            if not self.core.has_work:
-                if self._stopping and self._commands.empty():
-                    return
-                self._wake.wait(0.05)
-                self._wake.clear()
-                continue
             try:
-                events = self.core.step()
+                if not self._turn():
+                    return
             except Exception as error:  # a failed step must not kill the server: fail its requests
                 log.exception("engine step failed")
                 self._fail_all(error)
-                continue
-            for event in events:
-                self.metrics.on_token(event)
-                self._deliver(event.request, event)
+
+    def _turn(self) -> bool:
+        """Apply commands, run one step, deliver its tokens; False once drained and stopping."""
+        self._apply_commands()
+        if not self.core.has_work:
+            if self._stopping and self._commands.empty():
+                return False
+            self._wake.wait(0.05)
+            self._wake.clear()
+            return True
+        for event in self.core.step():
+            self.metrics.on_token(event)
+            self._deliver(event.request, event)
+        return True
 
     def _apply_commands(self) -> None:
         while True:
@@ -110,7 +120,8 @@ class AsyncEngine:
                 return
             for request in requests:
                 if kind == "add":
-                    self._pending_adds -= 1
+                    with self._pending_lock:
+                        self._pending_adds -= 1
                     self.core.add(request)
                 elif not request.done:
                     self.core.abort(request)
@@ -118,9 +129,13 @@ class AsyncEngine:
                     self._queues.pop(request, None)
 
     def _fail_all(self, error: Exception) -> None:
+        """Every request with a waiting client gets the failure (some may have left the scheduler
+        before the error), and everything the scheduler holds is released."""
         failure = EngineFailure(f"the engine failed: {type(error).__name__}: {error}")
         for request in list(self.core.scheduler.running) + list(self.core.scheduler.waiting):
             self.core.abort(request)
+        for request in list(self._queues):
+            self.metrics.requests.labels("failed").inc()
             self._deliver(request, failure)
 
     def _deliver(self, request: Request, item: TokenEvent | EngineFailure) -> None:

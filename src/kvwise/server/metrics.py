@@ -98,7 +98,7 @@ class _StateCollector:
         if swap is not None:
             usage.add_metric(["host"], swap.used_bytes)
             capacity.add_metric(["host"], swap.capacity_bytes)
-        quantized = sum(pool.used_bytes() for pool in core.quant_pools.values())
+        quantized = sum(pool.used_bytes() for pool in list(core.quant_pools.values()))
         usage.add_metric(["device_quantized"], quantized)
         yield usage
         yield capacity

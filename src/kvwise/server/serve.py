@@ -67,6 +67,10 @@ def run_server(args) -> None:
         """uvicorn re-raises SIGTERM/SIGINT once it has shut down, so the process would end as killed
         by the signal; after a graceful drain, `kvwise serve` exits 0 instead."""
 
+        def handle_exit(self, sig, frame):
+            app.state.engine.accepting = False  # requests on open keep-alive connections get 503
+            super().handle_exit(sig, frame)
+
         @contextlib.contextmanager
         def capture_signals(self):
             with super().capture_signals():

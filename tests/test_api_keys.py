@@ -22,6 +22,7 @@ def test_keys_tenants_comments_and_shared(tmp_path):
         ("k1 a b\n", "expected `KEY TENANT`"),
         ("k1 a\nk1 b\n", "listed twice"),
         ("# nothing\n", "holds no keys"),
+        ("k1 __shared__\n", "shared namespace"),
     ],
 )
 def test_bad_files(tmp_path, text, message):

@@ -78,6 +78,22 @@ def test_streaming_equals_the_whole_answer(server):
     assert text == whole.choices[0].message.content
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
     assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    logged = [
+        chunk
+        for chunk in api.chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": "Count to five."}],
+            max_tokens=20,
+            temperature=0,
+            stream=True,
+            logprobs=True,
+            top_logprobs=2,
+        )
+        if chunk.choices and chunk.choices[0].logprobs
+    ]
+    entries = [entry for chunk in logged for entry in chunk.choices[0].logprobs.content]
+    assert "".join(entry.token for entry in entries) == whole.choices[0].message.content
+    assert all(len(entry.top_logprobs) == 2 for entry in entries)
     pieces = list(api.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=12, temperature=0, stream=True))
     plain = api.completions.create(model=MODEL, prompt="1, 2, 3,", max_tokens=12, temperature=0)
     assert "".join(piece.choices[0].text for piece in pieces) == plain.choices[0].text

@@ -153,7 +153,8 @@ class _Handlers:
         prompt_tokens = sum(map(len, prompts))
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            stream = self._stream(http, formatter, requests, events, params, prompt_tokens, include_usage)
+            top = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
+            stream = self._stream(http, formatter, requests, events, params, prompt_tokens, include_usage, top)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         completions = await self._wait(http, requests, events)
         top = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
@@ -277,9 +278,23 @@ class _Handlers:
             completions.append(completion)
         return completions
 
-    async def _stream(self, http, formatter: Formatter, requests, events, params, prompt_tokens, include_usage):
+    async def _stream(self, http, formatter: Formatter, requests, events, params, prompt_tokens, include_usage, top):
         texts = {request: IncrementalText(self.core.tokenizer, params.stop, self.core.eos) for request in requests}
         remaining = set(requests)
+        seen = dict.fromkeys(requests, 0)  # tokens whose events arrived, per request
+        sent = dict.fromkeys(requests, 0)  # of those, tokens whose logprobs went out
+
+        def logprobs_since(request, final: bool):
+            """Logprobs of the tokens behind the text sent now (an EOS that ended it excluded)."""
+            if request.logprobs is None:
+                return None
+            upto = seen[request]
+            if final and upto and request.output[upto - 1] == self.core.eos and not params.ignore_eos:
+                upto -= 1
+            tokens, entries = request.output[sent[request] : upto], request.logprobs[sent[request] : upto]
+            sent[request] = max(upto, sent[request])
+            return formatter.logprobs(tokens, entries, top)
+
         try:
             if formatter.chat:
                 for request in requests:
@@ -290,9 +305,10 @@ class _Handlers:
                     yield _sse(OpenAIError(500, str(item)).body())
                     return
                 request, final = item.request, item.finish_reason is not None
+                seen[request] += 1
                 delta = texts[request].add(item.token, final)
                 if delta:
-                    yield _sse(formatter.chunk(request.choice, delta, None))
+                    yield _sse(formatter.chunk(request.choice, delta, None, logprobs=logprobs_since(request, final)))
                 if final:
                     remaining.discard(request)
                     yield _sse(formatter.chunk(request.choice, None, item.finish_reason))

@@ -47,12 +47,15 @@ class Formatter:
         body["usage"] = usage(prompt_tokens, sum(len(c.token_ids) for c in completions))
         return body
 
-    def chunk(self, index: int, text: str | None, finish_reason: str | None, first: bool = False) -> dict:
+    def chunk(
+        self, index: int, text: str | None, finish_reason: str | None, first: bool = False, logprobs: dict | None = None
+    ) -> dict:
+        """logprobs: `self.logprobs(...)` of the tokens this chunk's text came from, or None."""
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": text} if text else {})
-            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope([choice], chunk=True)
 
     def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:

@@ -60,7 +60,6 @@ class EngineCore:
         self.storage.attach(self.pool)
         self.tree = RadixCache(self.pool) if config.prefix_caching else None
         shape = kv_geometry(model)
-        self.model_id = shape.model_id
         self.swap = HostSwap(self.storage, config.swap_space_bytes) if config.swap_space_bytes else None
         self.scheduler = Scheduler(
             self.pool,
@@ -190,8 +189,8 @@ class EngineCore:
         self._quantize_settled_blocks()
         # a chunk that reaches its request's prefill target (the prompt, or prompt + output after a
         # recompute) samples the next token; earlier prompt chunks only fill the cache
-        finishing = [chunk for chunk in step.chunks if chunk.end >= chunk.request.prefill_target]
         rows = [index for index, chunk in enumerate(step.chunks) if chunk.end >= chunk.request.prefill_target]
+        finishing = [step.chunks[index] for index in rows]
         sampled = sample(logits[rows], [c.request.params for c in finishing], [c.request.generator for c in finishing])
         for chunk in step.chunks:
             if chunk.end < chunk.request.prefill_target:

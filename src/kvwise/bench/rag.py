@@ -23,6 +23,7 @@ from tqdm import tqdm
 
 from kvwise.bench.environment import system_info
 from kvwise.bench.rag_workload import RagWorkload, rag_requests
+from kvwise.bench.stats import percentile
 from kvwise.bench.throughput import generate_timed
 from kvwise.hf.cache import full_kv_bytes
 
@@ -103,7 +104,7 @@ def _row(system: str, settings: dict, wall: float, ttft: list[float], tpot: list
         "requests_per_second": count / wall,
         "wall_seconds": wall,
         "ttft_p50_s": statistics.median(ttft),
-        "ttft_p99_s": sorted(ttft)[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
+        "ttft_p99_s": percentile(ttft, 0.99),
         "tpot_p50_s": statistics.median(tpot),
         "hit_rate": 0.0,
         "peak_kv_bytes": 0,

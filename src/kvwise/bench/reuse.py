@@ -25,6 +25,7 @@ from tqdm import tqdm
 from kvwise.bench.environment import system_info
 from kvwise.bench.haystack import read_haystack
 from kvwise.bench.rag_workload import RagWorkload, rag_requests
+from kvwise.bench.stats import percentile
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.hashing import Namespace
 from kvwise.core.radix import RadixCache
@@ -120,16 +121,11 @@ def run_rag(model, requests: list[torch.Tensor], config: ReuseConfig, progress) 
         "hit_rate": hit_rate,
         "ttft_p50_s_off": p50_off,
         "ttft_p50_s_on": p50_on,
-        "ttft_p99_s_off": _percentile(ttft_off, 0.99),
-        "ttft_p99_s_on": _percentile(ttft_on, 0.99),
+        "ttft_p99_s_off": percentile(ttft_off, 0.99),
+        "ttft_p99_s_on": percentile(ttft_on, 0.99),
         "speedup": p50_off / p50_on,
         "bound": 1.0 / max(1.0 - hit_rate, 1e-9),
     }
-
-
-def _percentile(values: list[float], fraction: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(round(fraction * (len(ordered) - 1))))]
 
 
 def run_reuse(config: ReuseConfig, out_dir: Path) -> dict:

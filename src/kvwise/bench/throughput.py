@@ -22,6 +22,7 @@ from transformers.generation.streamers import BaseStreamer
 
 from kvwise.bench.environment import system_info
 from kvwise.bench.haystack import read_haystack
+from kvwise.bench.stats import percentile
 from kvwise.hf.cache import full_kv_bytes
 
 
@@ -140,7 +141,7 @@ def _row(model, system, config, started, first, finished, peak_tokens) -> dict:
         "tokens_per_second": config.requests * config.new_tokens / wall,
         "wall_seconds": wall,
         "ttft_p50_s": statistics.median(ttft),
-        "ttft_p99_s": sorted(ttft)[min(len(ttft) - 1, round(0.99 * (len(ttft) - 1)))],
+        "ttft_p99_s": percentile(ttft, 0.99),
         "tpot_p50_s": statistics.median(tpot),
         "hit_rate": 0.0,
         "peak_kv_bytes": full_kv_bytes(model, peak_tokens, next(model.parameters()).dtype.itemsize),

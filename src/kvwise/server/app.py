@@ -151,13 +151,12 @@ class _Handlers:
         events = self.engine.submit(requests)
         formatter = Formatter(self.settings.model_name, chat, self.core.tokenizer)
         prompt_tokens = sum(map(len, prompts))
+        top = (body.top_logprobs or 0) if chat else (body.logprobs or 0)  # alternatives per token
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            top = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
             stream = self._stream(http, formatter, requests, events, params, prompt_tokens, include_usage, top)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         completions = await self._wait(http, requests, events)
-        top = (body.top_logprobs or 0) if chat else (body.logprobs or 0)
         return JSONResponse(formatter.response(completions, prompt_tokens, top))
 
     async def _parse(self, http: Request, model):

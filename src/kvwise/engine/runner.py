@@ -16,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kvwise.engine.compaction import Compaction
+from kvwise.engine.cpu_kernel import paged_decode_kernel
 from kvwise.engine.quant_pool import QuantPool, quantized_id
 from kvwise.engine.scheduler import Chunk
 from kvwise.kv.paged import PagedKVStorage
@@ -43,6 +44,7 @@ class AttentionGroup:
     causal: bool = False
     first_block: int | None = None  # one chunk whose blocks are consecutive: read them as a slice
     mixed: MixedBlocks | None = None  # one chunk whose table holds quantized blocks
+    lengths: torch.Tensor | None = None  # [C] int64: decode tokens for the CPU kernel, each over its first lengths[c] keys
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def window_mask(self, window: int) -> torch.Tensor:
@@ -89,6 +91,7 @@ class StepLayout:
     slots: torch.Tensor
     groups: list[AttentionGroup]
     compactions: list[Compaction] = field(default_factory=list)
+    decode_kernel: object = None  # cpu_kernel.paged_decode_kernel(), for groups with `lengths`
 
 
 _current: StepLayout | None = None
@@ -106,6 +109,16 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")  # Gemma 2/3, Mistral, Qwen2 hybrids
     outputs = []
     for group in layout.groups:
+        if group.lengths is not None:  # one query per chunk, blocks read in place by the CPU kernel
+            queries = query[0, :, group.first : group.last].transpose(0, 1)  # [C, heads, dim]
+            scale = scaling if scaling is not None else head_dim**-0.5
+            tables = group.blocks.view(group.chunks, -1)
+            outputs.append(
+                layout.decode_kernel(
+                    queries, storage.keys[layer], storage.values[layer], tables, group.lengths, scale, softcap or 0.0, window or 0
+                )
+            )
+            continue
         # index_select reads whole blocks; advanced indexing with a 2-D table is 4x slower on CPU
         shape = (group.chunks, -1, kv_heads, head_dim)
         if group.mixed is not None:
@@ -182,6 +195,10 @@ class ModelRunner:
         self.model, self.storage, self.block_size = model, storage, storage.block_size
         self.compactions: list[Compaction] = []
         self.quant_pools = quant_pools if quant_pools is not None else {}
+        # CUDA keeps SDPA (its fused kernels read the gathered keys fast); on CPU the kernel reads
+        # blocks in place and measured 4x faster than gather + padded SDPA for a decode batch
+        on_cpu = storage.keys[0].device.type == "cpu" and storage.keys[0].dtype == torch.float32
+        self.decode_kernel = paged_decode_kernel() if on_cpu else None
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk], compact: dict[int, int] | None = None) -> torch.Tensor:
@@ -192,14 +209,16 @@ class ModelRunner:
         """
         global _current
         device = self.model.device
-        # Attention per sequence over its blocks read in place (no gather) measured no faster on
-        # CPU than these batched buckets: SDPA's cost per call eats the saved copy.
         decodes = [c for c in chunks if c.end - c.start == 1]
         plain = [c for c in decodes if not _has_quantized(c.request)]
-        buckets = decode_buckets(plain, self.block_size) + [[c] for c in decodes if _has_quantized(c.request)]
+        # the kernel pads nothing, so all plain decodes form one group; SDPA pads each group to its
+        # longest row, so it gets buckets of similar lengths
+        plain_groups = [plain] if self.decode_kernel and plain else decode_buckets(plain, self.block_size)
+        buckets = plain_groups + [[c] for c in decodes if _has_quantized(c.request)]
         prefills = [c for c in chunks if c.end - c.start > 1]
         ordered = [chunk for bucket in buckets for chunk in bucket] + prefills  # the flat token order
         layout = self._layout(buckets, prefills, device)
+        layout.decode_kernel = self.decode_kernel
         layout.compactions = self.compactions = self._compactions(ordered, compact or {}, device)
         ids = torch.tensor([[t for c in ordered for t in c.request.tokens[c.start : c.end]]], device=device)
         positions = torch.tensor([[p for c in ordered for p in range(c.start, c.end)]], device=device)
@@ -241,8 +260,10 @@ class ModelRunner:
             for b in (c.request.blocks[: -(-end // block)] + [0] * max_blocks)[:max_blocks]
         ]
         ends = torch.tensor(ends, device=device)
-        mask = torch.arange(max_blocks * block, device=device)[None, :] < ends[:, None]  # [C, keys]
         blocks, positions = torch.tensor(table, device=device), (ends - 1)[:, None]
+        if self.decode_kernel is not None and not any(_has_quantized(c.request) for c in chunks):
+            return AttentionGroup(first, first + len(chunks), len(chunks), blocks, 0, None, positions, lengths=ends)
+        mask = torch.arange(max_blocks * block, device=device)[None, :] < ends[:, None]  # [C, keys]
         if len(chunks) == 1:
             mixed = self._mixed(chunks[0].request, table, device)
             return AttentionGroup(

@@ -1,0 +1,222 @@
+// Decode attention over the paged pool on CPU: one query token per sequence, read block by block
+// in place through the block table. SDPA needs the keys gathered and padded first; this reads
+// each key and value row once, straight from the pool, and keeps GQA heads sharing a row
+// together so the row is loaded once for the whole group.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#if defined(__AVX2__) || defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// GCC does not vectorise a float reduction without -ffast-math (which would change results
+// elsewhere), so the two inner loops are written with the widest vectors the CPU has.
+#if defined(__AVX512F__)
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m512 low = _mm512_setzero_ps(), high = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    low = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), low);
+    high = _mm512_fmadd_ps(_mm512_loadu_ps(a + i + 16), _mm512_loadu_ps(b + i + 16), high);
+  }
+  for (; i + 16 <= n; i += 16) low = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), _mm512_loadu_ps(b + i), low);
+  float sum = _mm512_reduce_add_ps(_mm512_add_ps(low, high));
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+  const __m512 scale = _mm512_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(scale, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+// s[i] = exp(s[i] - peak) for i < n; returns their sum. Cephes' expf polynomial on
+// [-ln2/2, ln2/2] times 2^k: within 2 ulp of std::exp, which costs 10x more per score.
+inline float exp_shifted(float* s, int64_t n, float peak) {
+  const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2_high = _mm512_set1_ps(0.693359375f),
+               ln2_low = _mm512_set1_ps(-2.12194440e-4f), floor_ = _mm512_set1_ps(-87.3f), shift = _mm512_set1_ps(peak);
+  __m512 total = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), shift), floor_);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm512_fnmadd_ps(k, ln2_low, _mm512_fnmadd_ps(k, ln2_high, x));
+    __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+    y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+    y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.f)));
+    y = _mm512_scalef_ps(y, k);
+    _mm512_storeu_ps(s + i, y);
+    total = _mm512_add_ps(total, y);
+  }
+  float sum = _mm512_reduce_add_ps(total);
+  for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - peak));
+  return sum;
+}
+#elif defined(__AVX2__) && defined(__FMA__)
+inline float dot(const float* a, const float* b, int64_t n) {
+  __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    low = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), low);
+    high = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), high);
+  }
+  for (; i + 8 <= n; i += 8) low = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), low);
+  const __m256 both = _mm256_add_ps(low, high);
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(both), _mm256_extractf128_ps(both, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_add_ss(half, _mm_movehdup_ps(half));
+  float sum = _mm_cvtss_f32(half);
+  for (; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+  const __m256 scale = _mm256_set1_ps(alpha);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(scale, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
+  for (; i < n; ++i) y[i] += alpha * x[i];
+}
+inline float exp_shifted(float* s, int64_t n, float peak) {  // as the AVX-512 version
+  const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), ln2_high = _mm256_set1_ps(0.693359375f),
+               ln2_low = _mm256_set1_ps(-2.12194440e-4f), floor_ = _mm256_set1_ps(-87.3f), shift = _mm256_set1_ps(peak);
+  __m256 total = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift), floor_);
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(k, ln2_low, _mm256_fnmadd_ps(k, ln2_high, x));
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    const __m256i exponent = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    y = _mm256_mul_ps(y, _mm256_castsi256_ps(exponent));
+    _mm256_storeu_ps(s + i, y);
+    total = _mm256_add_ps(total, y);
+  }
+  __m128 half = _mm_add_ps(_mm256_castps256_ps128(total), _mm256_extractf128_ps(total, 1));
+  half = _mm_add_ps(half, _mm_movehl_ps(half, half));
+  half = _mm_add_ss(half, _mm_movehdup_ps(half));
+  float sum = _mm_cvtss_f32(half);
+  for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - peak));
+  return sum;
+}
+#else
+inline float dot(const float* a, const float* b, int64_t n) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += a[i] * b[i];
+  return sum;
+}
+
+inline void axpy(float alpha, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+}
+inline float exp_shifted(float* s, int64_t n, float peak) {
+  float sum = 0.f;
+  for (int64_t i = 0; i < n; ++i) sum += (s[i] = std::exp(s[i] - peak));
+  return sum;
+}
+#endif
+
+}  // namespace
+
+// query:   [B, H, D] float32
+// keys:    [num_blocks, block_size, KVH, D] float32 (one layer of the pool), values alike
+// tables:  [B, max_blocks] int64, each sequence's blocks in order (padding past its length unread)
+// lengths: [B] int64, keys 0 .. length-1 are seen (the query is the sequence's last token)
+// scale:   multiplies q.k; softcap > 0: scores become tanh(s / softcap) * softcap (Gemma 2)
+// window > 0: only the last `window` keys are seen (sliding-window layers)
+// returns  [B, H, D]
+torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
+                           torch::Tensor lengths, double scale, double softcap, int64_t window) {
+  TORCH_CHECK(query.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(), "paged_decode: bad shapes");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat && keys.scalar_type() == torch::kFloat &&
+                  values.scalar_type() == torch::kFloat,
+              "paged_decode: float32 only");
+  TORCH_CHECK(tables.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong,
+              "paged_decode: int64 tables and lengths");
+  query = query.contiguous();
+  keys = keys.contiguous();
+  values = values.contiguous();
+  tables = tables.contiguous();
+  lengths = lengths.contiguous();
+  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = keys.size(1), kv_heads = keys.size(2), max_blocks = tables.size(1);
+  TORCH_CHECK(keys.size(3) == dim && heads % kv_heads == 0 && tables.size(0) == batch && lengths.size(0) == batch,
+              "paged_decode: query, pool and tables disagree");
+  const int64_t group = heads / kv_heads, row = kv_heads * dim, num_blocks = keys.size(0);
+  const int64_t* length_of = lengths.data_ptr<int64_t>();
+  const int64_t* table_of = tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(length_of[b] >= 1 && length_of[b] <= max_blocks * block_size, "paged_decode: length out of range");
+    for (int64_t i = 0; i < (length_of[b] + block_size - 1) / block_size; ++i)
+      TORCH_CHECK(table_of[b * max_blocks + i] >= 0 && table_of[b * max_blocks + i] < num_blocks,
+                  "paged_decode: block id out of range");
+  }
+  auto output = torch::empty_like(query);
+  const float* q_all = query.data_ptr<float>();
+  const float* k_pool = keys.data_ptr<float>();
+  const float* v_pool = values.data_ptr<float>();
+  float* out_all = output.data_ptr<float>();
+  const float scale_f = static_cast<float>(scale), cap = static_cast<float>(softcap);
+
+  // A task is one sequence, all heads, so each key and value row (every head's, contiguous) is
+  // read in one sweep the prefetcher follows; with fewer sequences than threads, one kv head's
+  // group of query heads per task instead.
+  const int64_t heads_per_task = batch >= 2 * at::get_num_threads() ? heads : group;
+  const int64_t tasks_per_sequence = heads / heads_per_task;
+  at::parallel_for(0, batch * tasks_per_sequence, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t b = task / tasks_per_sequence, head0 = task % tasks_per_sequence * heads_per_task;
+      const int64_t length = length_of[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0, n = length - first;
+      const int64_t* table = table_of + b * max_blocks;
+      const float* q = q_all + (b * heads + head0) * dim;
+      scores.resize(heads_per_task * n);  // [heads_per_task, n]
+      for (int64_t t = first; t < length; ++t) {
+        const float* k = k_pool + (table[t / block_size] * block_size + t % block_size) * row;
+        for (int64_t h = 0; h < heads_per_task; ++h) {
+          float s = dot(q + h * dim, k + (head0 + h) / group * dim, dim) * scale_f;
+          if (cap > 0.f) s = std::tanh(s / cap) * cap;
+          scores[h * n + (t - first)] = s;
+        }
+      }
+      float* out = out_all + (b * heads + head0) * dim;
+      std::fill(out, out + heads_per_task * dim, 0.f);
+      std::vector<float> totals(heads_per_task);
+      for (int64_t h = 0; h < heads_per_task; ++h) {
+        float* s = scores.data() + h * n;
+        totals[h] = exp_shifted(s, n, *std::max_element(s, s + n));
+      }
+      for (int64_t t = first; t < length; ++t) {
+        const float* v = v_pool + (table[t / block_size] * block_size + t % block_size) * row;
+        for (int64_t h = 0; h < heads_per_task; ++h)
+          axpy(scores[h * n + (t - first)], v + (head0 + h) / group * dim, out + h * dim, dim);
+      }
+      for (int64_t h = 0; h < heads_per_task; ++h) {
+        const float inverse = 1.f / totals[h];
+        for (int64_t d = 0; d < dim; ++d) out[h * dim + d] *= inverse;
+      }
+    }
+  });
+  return output;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool (CPU, float32)");
+}

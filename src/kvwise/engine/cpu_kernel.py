@@ -34,8 +34,10 @@ def paged_decode_kernel():
         build.mkdir(parents=True, exist_ok=True)
         name = f"kvwise_paged_decode_{digest}"
         if not (build / f"{name}.so").exists():
-            print("kvwise: compiling the CPU decode-attention kernel (once per machine, about a minute)", file=sys.stderr)
-        module = cpp_extension.load(name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build))
+            print("kvwise: compiling the CPU decode-attention kernel (once per machine, ~30 s)", file=sys.stderr)
+        module = cpp_extension.load(
+            name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build)
+        )
         return module.paged_decode
     except Exception as error:  # no compiler, no headers, no ninja: SDPA still works
         warnings.warn(f"kvwise: the CPU decode kernel could not be built, using SDPA instead ({error})", stacklevel=2)

@@ -44,7 +44,7 @@ class AttentionGroup:
     causal: bool = False
     first_block: int | None = None  # one chunk whose blocks are consecutive: read them as a slice
     mixed: MixedBlocks | None = None  # one chunk whose table holds quantized blocks
-    lengths: torch.Tensor | None = None  # [C] int64: decode tokens for the CPU kernel, each over its first lengths[c] keys
+    lengths: torch.Tensor | None = None  # [C] int64: CPU-kernel decode group, chunk c sees keys < lengths[c]
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def window_mask(self, window: int) -> torch.Tensor:
@@ -113,11 +113,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             queries = query[0, :, group.first : group.last].transpose(0, 1)  # [C, heads, dim]
             scale = scaling if scaling is not None else head_dim**-0.5
             tables = group.blocks.view(group.chunks, -1)
-            outputs.append(
-                layout.decode_kernel(
-                    queries, storage.keys[layer], storage.values[layer], tables, group.lengths, scale, softcap or 0.0, window or 0
-                )
-            )
+            keys, values = storage.keys[layer], storage.values[layer]
+            capped, windowed = softcap or 0.0, window or 0
+            outputs.append(layout.decode_kernel(queries, keys, values, tables, group.lengths, scale, capped, windowed))
             continue
         # index_select reads whole blocks; advanced indexing with a 2-D table is 4x slower on CPU
         shape = (group.chunks, -1, kv_heads, head_dim)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kvwise.core.block_pool import BlockPool
@@ -27,7 +28,7 @@ def reference(model, prompts, max_tokens):
     return outputs
 
 
-def engine(model, batches, max_tokens, budget=16, reuse=True, num_blocks=64):
+def engine(model, batches, max_tokens, budget=16, reuse=True, num_blocks=64, cpu_kernel=True):
     """Run `batches` of prompts, each batch added after the previous one finished."""
     config = model.config
     head_dim = config.hidden_size // config.num_attention_heads
@@ -35,7 +36,7 @@ def engine(model, batches, max_tokens, budget=16, reuse=True, num_blocks=64):
     storage = PagedKVStorage(config.num_hidden_layers, num_blocks, BLOCK, config.num_key_value_heads, head_dim)
     storage.attach(pool)
     scheduler = Scheduler(pool, RadixCache(pool) if reuse else None, default_namespace("tiny"), token_budget=budget)
-    runner = ModelRunner(model, storage)
+    runner = ModelRunner(model, storage, cpu_kernel=cpu_kernel)
     results = []
     for prompts in batches:
         requests = [Request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens)) for prompt in prompts]
@@ -53,11 +54,12 @@ def engine(model, batches, max_tokens, budget=16, reuse=True, num_blocks=64):
     return [[request.output for request in requests] for requests in results], results
 
 
-def test_mixed_lengths_in_one_batch_match_generate(tiny_model):
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "sdpa"])
+def test_mixed_lengths_in_one_batch_match_generate(tiny_model, cpu_kernel):
     llama = tiny_model  # llama, qwen2, mistral
     prompts = [random_ids(1, length, seed=length)[0].tolist() for length in (5, 13, 22)]
     expected = reference(llama, prompts, 6)
-    (outputs,), _ = engine(llama, [prompts], 6, budget=12)  # chunked prefill mixed with decodes
+    (outputs,), _ = engine(llama, [prompts], 6, budget=12, cpu_kernel=cpu_kernel)  # chunked prefill mixed with decodes
     assert outputs == expected
 
 
@@ -70,16 +72,18 @@ def test_reused_prefixes_give_the_same_tokens(llama):
     assert requests[1][0].reused == 16  # the second prompt's shared 16 tokens came from the prefix cache
 
 
-def test_sliding_window_and_softcapped_layers_match_generate(gemma2):
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "sdpa"])
+def test_sliding_window_and_softcapped_layers_match_generate(gemma2, cpu_kernel):
     """Gemma 2 alternates window-8 and full layers and caps attention logits; prompts longer than
     the window, chunked, with decodes in the same steps."""
     prompts = [random_ids(1, length, seed=length)[0].tolist() for length in (5, 13, 22)]
     expected = reference(gemma2, prompts, 8)
-    (outputs,), _ = engine(gemma2, [prompts], 8, budget=12)
+    (outputs,), _ = engine(gemma2, [prompts], 8, budget=12, cpu_kernel=cpu_kernel)
     assert outputs == expected
 
 
-def test_sliding_window_without_softcap_matches_generate():
+@pytest.mark.parametrize("cpu_kernel", [True, False], ids=["cpu-kernel", "sdpa"])
+def test_sliding_window_without_softcap_matches_generate(cpu_kernel):
     from transformers import MistralConfig, MistralForCausalLM
 
     from tests.conftest import SHARED
@@ -88,5 +92,5 @@ def test_sliding_window_without_softcap_matches_generate():
     mistral = MistralForCausalLM(MistralConfig(**SHARED, sliding_window=6, head_dim=16)).eval()
     prompts = [random_ids(1, length, seed=length)[0].tolist() for length in (4, 11, 19)]
     expected = reference(mistral, prompts, 8)
-    (outputs,), _ = engine(mistral, [prompts], 8, budget=10)
+    (outputs,), _ = engine(mistral, [prompts], 8, budget=10, cpu_kernel=cpu_kernel)
     assert outputs == expected

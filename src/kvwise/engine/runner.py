@@ -3,9 +3,10 @@
 All scheduled tokens (prefill chunks and decode tokens of every running request) go through the
 model as one flat sequence with their own positions; RoPE comes from the model. The attention
 function registered as `kvwise_paged` writes each layer's new keys and values into the request's
-blocks, then lets each chunk attend over its whole sequence read back through its block table:
-one padded SDPA call per layer for each bucket of decode tokens of similar length and one per
-prefill chunk, GQA without repeat_kv. No model is rewritten.
+blocks, then lets each chunk attend over its whole sequence read back through its block table.
+Decode tokens: on CPU in float32, one call of the compiled kernel (kernels/paged_decode.cpp) for
+all of them, reading blocks in place; elsewhere one padded SDPA call per bucket of similar
+lengths. Prefill chunks: one SDPA call each, GQA without repeat_kv. No model is rewritten.
 """
 
 from __future__ import annotations
@@ -187,7 +188,13 @@ def register_paged_attention() -> None:
 
 
 class ModelRunner:
-    def __init__(self, model, storage: PagedKVStorage, quant_pools: dict[str, QuantPool] | None = None):
+    def __init__(
+        self,
+        model,
+        storage: PagedKVStorage,
+        quant_pools: dict[str, QuantPool] | None = None,
+        cpu_kernel: bool = True,
+    ):
         register_paged_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.model, self.storage, self.block_size = model, storage, storage.block_size
@@ -196,7 +203,7 @@ class ModelRunner:
         # CUDA keeps SDPA (its fused kernels read the gathered keys fast); on CPU the kernel reads
         # blocks in place and measured 4x faster than gather + padded SDPA for a decode batch
         on_cpu = storage.keys[0].device.type == "cpu" and storage.keys[0].dtype == torch.float32
-        self.decode_kernel = paged_decode_kernel() if on_cpu else None
+        self.decode_kernel = paged_decode_kernel() if on_cpu and cpu_kernel else None
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk], compact: dict[int, int] | None = None) -> torch.Tensor:

@@ -33,11 +33,24 @@ def reference(query, keys, values, tables, lengths, scale, softcap, window):
     return torch.stack(outputs)
 
 
+def test_builds_where_ci_runs():
+    assert kernel is not None, "the CPU decode kernel did not build; see $KVWISE_HOME/kernels/*/FAILED"
+
+
+@pytest.fixture(params=[1, 4], ids=["per-sequence-tasks", "per-kv-head-tasks"])
+def threads(request):
+    """6 sequences: one thread gives one task per sequence, four threads one per kv head."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize(
     ("heads", "kv_heads", "dim", "softcap", "window"),
     [(9, 3, 64, 0.0, 0), (4, 4, 16, 0.0, 0), (8, 2, 72, 50.0, 0), (6, 3, 128, 0.0, 7), (2, 1, 80, 30.0, 5)],
 )
-def test_matches_attention_over_gathered_blocks(heads, kv_heads, dim, softcap, window):
+def test_matches_attention_over_gathered_blocks(threads, heads, kv_heads, dim, softcap, window):
     torch.manual_seed(heads * dim)
     num_blocks, block_size, batch = 40, 4, 6
     shape = (num_blocks, block_size, kv_heads, dim)
@@ -49,6 +62,15 @@ def test_matches_attention_over_gathered_blocks(heads, kv_heads, dim, softcap, w
     got = kernel(query, keys, values, tables, lengths, scale, softcap, window)
     expected = reference(query, keys, values, tables, lengths, scale, softcap, window)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+
+
+def test_nan_scores_stay_nan():
+    """A NaN from upstream shows, as SDPA would show it, instead of a quiet average."""
+    keys, values = torch.randn(4, 4, 1, 16), torch.randn(4, 4, 1, 16)
+    query = torch.randn(1, 2, 16)
+    query[0, 1, 0] = float("nan")
+    got = kernel(query, keys, values, torch.tensor([[0, 1, 2, 3]]), torch.tensor([16]), 0.25, 0.0, 0)
+    assert got[0, 0].isfinite().all() and got[0, 1].isnan().all()
 
 
 def test_one_sequence_splits_by_kv_head():
@@ -66,6 +88,7 @@ def test_one_sequence_splits_by_kv_head():
         ([[0, 99]], [8], "block id out of range"),
         ([[0, 1]], [9], "length out of range"),
         ([[0, 1]], [0], "length out of range"),
+        ([0, 1], [8], "bad shapes"),
     ],
 )
 def test_bad_tables_are_refused_before_reading(tables, lengths, message):

@@ -37,6 +37,8 @@ def engine(model, batches, max_tokens, budget=16, reuse=True, num_blocks=64, cpu
     storage.attach(pool)
     scheduler = Scheduler(pool, RadixCache(pool) if reuse else None, default_namespace("tiny"), token_budget=budget)
     runner = ModelRunner(model, storage, cpu_kernel=cpu_kernel)
+    if cpu_kernel and runner.decode_kernel is None:
+        pytest.skip("no CPU decode kernel on this machine (test_cpu_kernel says why)")
     results = []
     for prompts in batches:
         requests = [Request(prompt, SamplingParams(temperature=0, max_tokens=max_tokens)) for prompt in prompts]

@@ -1,16 +1,22 @@
 """The CPU decode-attention kernel (kernels/paged_decode.cpp), compiled once per machine.
 
-The build lands in `$KVWISE_HOME/kernels/<hash>`: the hash covers the source, the compiler flags
-and the CPU's instruction sets, because `-march=native` code must not run on another CPU.
-Without a compiler (or with KVWISE_CPU_KERNEL=0) the runner falls back to SDPA, with a warning.
+The build lands in `$KVWISE_HOME/kernels/<hash>`. The hash covers everything the binary depends
+on: the source, the flags, the CPU's instruction sets (`-march=native` code must not run on
+another CPU), torch's version and C++ ABI, the Python ABI and the compiler. Only x86 CPUs with
+AVX2 and FMA use it (elsewhere its inner loops would be scalar and lose to SDPA). Without a
+compiler, or with KVWISE_CPU_KERNEL=0, the runner uses SDPA; a failed build is remembered
+(`FAILED` in the build directory, with the compiler's message) so later processes do not retry.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import os
+import platform
 import sys
+import sysconfig
 import warnings
 from pathlib import Path
 
@@ -23,25 +29,81 @@ FLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for is se
 @functools.cache
 def paged_decode_kernel():
     """`paged_decode(query, keys, values, tables, lengths, scale, softcap, window)`, or None."""
-    if os.environ.get("KVWISE_CPU_KERNEL", "1") == "0":
+    if os.environ.get("KVWISE_CPU_KERNEL", "1") == "0" or not _has_vector_units():
+        return None
+    build = kvwise_home() / "kernels" / _digest()
+    failed = build / "FAILED"
+    if failed.exists():
+        warnings.warn(f"kvwise: using SDPA; the CPU decode kernel failed to build before (see {failed})", stacklevel=2)
         return None
     try:
-        from torch.utils import cpp_extension
-
-        _put_ninja_on_path()
-        digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(FLAGS).encode() + _cpu_signature()).hexdigest()[:16]
-        build = kvwise_home() / "kernels" / digest
         build.mkdir(parents=True, exist_ok=True)
-        name = f"kvwise_paged_decode_{digest}"
-        if not (build / f"{name}.so").exists():
-            print("kvwise: compiling the CPU decode-attention kernel (once per machine, ~30 s)", file=sys.stderr)
-        module = cpp_extension.load(
-            name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build)
-        )
-        return module.paged_decode
+        with _exclusive(build / "kvwise.lock"):
+            return _load(build).paged_decode
     except Exception as error:  # no compiler, no headers, no ninja: SDPA still works
-        warnings.warn(f"kvwise: the CPU decode kernel could not be built, using SDPA instead ({error})", stacklevel=2)
+        with contextlib.suppress(OSError):  # an unwritable $KVWISE_HOME: just retry next time
+            failed.write_text(f"{error}\n\nDelete this file to try again.\n")
+        warnings.warn(f"kvwise: the CPU decode kernel could not be built, using SDPA ({failed})", stacklevel=2)
         return None
+
+
+def _load(build: Path):
+    from torch.utils import cpp_extension
+
+    _put_ninja_on_path()
+    # torch's own lock file outlives a process killed mid-build and would make every later
+    # build wait for ever; under our flock (released by the OS when its holder dies) no one
+    # else is building here, so a leftover one is stale
+    (build / "lock").unlink(missing_ok=True)
+    name = f"kvwise_paged_decode_{build.name}"
+    if not (build / f"{name}.so").exists():
+        print("kvwise: compiling the CPU decode-attention kernel (once per machine, ~30 s)", file=sys.stderr)
+    return cpp_extension.load(
+        name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build)
+    )
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path):
+    """An flock on `path`: one process builds or loads the kernel at a time."""
+    import fcntl  # POSIX; elsewhere _has_vector_units() already said no
+
+    with open(path, "a") as file:
+        fcntl.flock(file, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(file, fcntl.LOCK_UN)
+
+
+def _digest() -> str:
+    import torch
+
+    parts = [
+        SOURCE.read_bytes(),
+        " ".join(FLAGS).encode(),
+        _cpu_flags().encode(),
+        torch.__version__.encode(),
+        str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
+        str(sysconfig.get_config_var("SOABI")).encode(),
+        os.environ.get("CXX", "c++").encode(),
+    ]
+    return hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
+
+
+def _cpu_flags() -> str:
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return ""
+    return next((line for line in info.splitlines() if line.startswith("flags")), "")
+
+
+def _has_vector_units() -> bool:
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    flags = set(_cpu_flags().split())
+    return {"avx2", "fma"} <= flags
 
 
 def _put_ninja_on_path() -> None:
@@ -51,14 +113,6 @@ def _put_ninja_on_path() -> None:
         import ninja
     except ImportError:
         return
-    os.environ["PATH"] = ninja.BIN_DIR + os.pathsep + os.environ.get("PATH", "")
-
-
-def _cpu_signature() -> bytes:
-    try:
-        info = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        import platform
-
-        return platform.processor().encode()
-    return next((line for line in info.splitlines() if line.startswith(("flags", "Features"))), "").encode()
+    directory = getattr(ninja, "BIN_DIR", "")
+    if directory and directory not in os.environ.get("PATH", "").split(os.pathsep):
+        os.environ["PATH"] = directory + os.pathsep + os.environ.get("PATH", "")

@@ -39,13 +39,14 @@ inline void axpy(float alpha, const float* x, float* y, int64_t n) {
 }
 // s[i] = exp(s[i] - peak) for i < n; returns their sum. Cephes' expf polynomial on
 // [-ln2/2, ln2/2] times 2^k: within 2 ulp of std::exp, which costs 10x more per score.
+// max(floor, x) with x second: a NaN score stays NaN, as SDPA would report it.
 inline float exp_shifted(float* s, int64_t n, float peak) {
   const __m512 log2e = _mm512_set1_ps(1.44269504088896341f), ln2_high = _mm512_set1_ps(0.693359375f),
                ln2_low = _mm512_set1_ps(-2.12194440e-4f), floor_ = _mm512_set1_ps(-87.3f), shift = _mm512_set1_ps(peak);
   __m512 total = _mm512_setzero_ps();
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    __m512 x = _mm512_max_ps(_mm512_sub_ps(_mm512_loadu_ps(s + i), shift), floor_);
+    __m512 x = _mm512_max_ps(floor_, _mm512_sub_ps(_mm512_loadu_ps(s + i), shift));
     const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     x = _mm512_fnmadd_ps(k, ln2_low, _mm512_fnmadd_ps(k, ln2_high, x));
     __m512 y = _mm512_set1_ps(1.9875691500e-4f);
@@ -93,7 +94,7 @@ inline float exp_shifted(float* s, int64_t n, float peak) {  // as the AVX-512 v
   __m256 total = _mm256_setzero_ps();
   int64_t i = 0;
   for (; i + 8 <= n; i += 8) {
-    __m256 x = _mm256_max_ps(_mm256_sub_ps(_mm256_loadu_ps(s + i), shift), floor_);
+    __m256 x = _mm256_max_ps(floor_, _mm256_sub_ps(_mm256_loadu_ps(s + i), shift));
     const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     x = _mm256_fnmadd_ps(k, ln2_low, _mm256_fnmadd_ps(k, ln2_high, x));
     __m256 y = _mm256_set1_ps(1.9875691500e-4f);
@@ -143,7 +144,13 @@ inline float exp_shifted(float* s, int64_t n, float peak) {
 // returns  [B, H, D]
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
                            torch::Tensor lengths, double scale, double softcap, int64_t window) {
-  TORCH_CHECK(query.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes(), "paged_decode: bad shapes");
+  TORCH_CHECK(query.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes() && tables.dim() == 2 &&
+                  lengths.dim() == 1,
+              "paged_decode: bad shapes");
+  TORCH_CHECK(query.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() &&
+                  tables.device().is_cpu() && lengths.device().is_cpu(),
+              "paged_decode: CPU tensors only");
+  TORCH_CHECK(query.size(1) > 0 && keys.size(1) > 0 && keys.size(2) > 0, "paged_decode: empty heads or blocks");
   TORCH_CHECK(query.scalar_type() == torch::kFloat && keys.scalar_type() == torch::kFloat &&
                   values.scalar_type() == torch::kFloat,
               "paged_decode: float32 only");
@@ -218,5 +225,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tenso
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool (CPU, float32)");
+  // the GIL is released: the server's event loop keeps streaming while the engine thread is here
+  m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool (CPU, float32)",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -7,6 +7,7 @@ import os
 import pytest
 import torch
 
+from kvwise.engine import cpu_kernel
 from kvwise.engine.cpu_kernel import paged_decode_kernel
 
 kernel = paged_decode_kernel()
@@ -37,6 +38,16 @@ def test_builds_where_ci_runs():
     assert kernel is not None, "the CPU decode kernel did not build; see $KVWISE_HOME/kernels/*/FAILED"
 
 
+@pytest.fixture(scope="module", params=["native", "avx2"])
+def variant(request):
+    """The kernel as built for this CPU, and built without AVX-512 (the AVX2 code path)."""
+    if request.param == "native":
+        return kernel
+    if "avx512f" not in cpu_kernel._cpu_flags().split():
+        pytest.skip("this CPU has no AVX-512: the native build is the AVX2 one")
+    return cpu_kernel.build_kernel([*cpu_kernel.FLAGS, "-mno-avx512f"])
+
+
 @pytest.fixture(params=[1, 4], ids=["per-sequence-tasks", "per-kv-head-tasks"])
 def threads(request):
     """6 sequences: one thread gives one task per sequence, four threads one per kv head."""
@@ -50,7 +61,7 @@ def threads(request):
     ("heads", "kv_heads", "dim", "softcap", "window"),
     [(9, 3, 64, 0.0, 0), (4, 4, 16, 0.0, 0), (8, 2, 72, 50.0, 0), (6, 3, 128, 0.0, 7), (2, 1, 80, 30.0, 5)],
 )
-def test_matches_attention_over_gathered_blocks(threads, heads, kv_heads, dim, softcap, window):
+def test_matches_attention_over_gathered_blocks(variant, threads, heads, kv_heads, dim, softcap, window):
     torch.manual_seed(heads * dim)
     num_blocks, block_size, batch = 40, 4, 6
     shape = (num_blocks, block_size, kv_heads, dim)
@@ -59,7 +70,7 @@ def test_matches_attention_over_gathered_blocks(threads, heads, kv_heads, dim, s
     tables = torch.stack([torch.randperm(num_blocks)[:6] for _ in range(batch)])  # padding entries never read
     query = torch.randn(batch, heads, dim)
     scale = dim**-0.5
-    got = kernel(query, keys, values, tables, lengths, scale, softcap, window)
+    got = variant(query, keys, values, tables, lengths, scale, softcap, window)
     expected = reference(query, keys, values, tables, lengths, scale, softcap, window)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
 

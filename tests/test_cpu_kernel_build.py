@@ -19,7 +19,7 @@ def fresh(tmp_path, monkeypatch):
 def test_a_failed_build_falls_back_and_is_not_retried(fresh, monkeypatch):
     calls = []
 
-    def broken(build):
+    def broken(build, flags):
         calls.append(build)
         raise RuntimeError("c++: command not found")
 
@@ -44,7 +44,7 @@ def test_a_stale_torch_lock_is_cleared_under_our_lock(fresh, monkeypatch):
         return type("Module", (), {"paged_decode": staticmethod(lambda *args: "ran")})
 
     monkeypatch.setattr(cpp_extension, "load", fake_load)
-    build = fresh / "kernels" / cpu_kernel._digest()
+    build = fresh / "kernels" / cpu_kernel._digest(cpu_kernel.FLAGS)
     build.mkdir(parents=True)
     (build / "lock").write_text("")  # left by a process killed mid-build
     assert cpu_kernel.paged_decode_kernel()() == "ran"

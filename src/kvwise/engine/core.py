@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,8 @@ from kvwise.engine.sampling import SamplingParams, find_stop, sample
 from kvwise.engine.scheduler import Scheduler, default_namespace
 from kvwise.engine.swap import HostSwap
 from kvwise.hf.geometry import kv_geometry, paged_storage_for
+from kvwise.kv.prefix_tiers import PrefixTiers, ReuseStats
+from kvwise.tiers.base import Tier
 
 
 @dataclass
@@ -49,7 +52,9 @@ class ContextLengthError(ValueError):
 
 
 class EngineCore:
-    def __init__(self, model, tokenizer=None, cache_config: CacheConfig | None = None):
+    def __init__(self, model, tokenizer=None, cache_config: CacheConfig | None = None, tiers: Sequence[Tier] = ()):
+        """tiers: where evicted prefix-cache blocks go and come back from (HostTier, DiskTier,
+        RedisTier, searched in that order); needs prefix caching."""
         self.model, self.tokenizer = model, tokenizer
         self.cache_config = config = cache_config or CacheConfig()
         self.max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -58,7 +63,13 @@ class EngineCore:
         self.pool = BlockPool(config.num_blocks, config.block_size)
         self.storage = paged_storage_for(model, config.num_blocks, config.block_size)
         self.storage.attach(self.pool)
-        self.tree = RadixCache(self.pool) if config.prefix_caching else None
+        if tiers and not config.prefix_caching:
+            raise ValueError("prefix tiers hold evicted prefix-cache blocks: they need prefix_caching=True")
+        self.tree = RadixCache(self.pool, default_quota=config.prefix_quota_blocks) if config.prefix_caching else None
+        self.prefix_stats = ReuseStats()  # tier hits, spills; device hits are counted per request
+        self.prefix_tiers = PrefixTiers(tiers, self.storage, self.pool, self.tree, self.prefix_stats) if tiers else None
+        if self.prefix_tiers is not None:
+            self.tree.on_evict = self.prefix_tiers.spill
         shape = kv_geometry(model)
         self.swap = HostSwap(self.storage, config.swap_space_bytes) if config.swap_space_bytes else None
         self.scheduler = Scheduler(
@@ -68,6 +79,7 @@ class EngineCore:
             config.token_budget,
             config.max_running,
             swap=self.swap,
+            tiers=self.prefix_tiers,
         )
         self.quant_pools: dict[str, QuantPool] = {}  # per quantizer name, made when first asked for
         self.scheduler.release_quantized = lambda request, ids: self.quant_pools[request.kv.quant].release(ids)

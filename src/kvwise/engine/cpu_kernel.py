@@ -31,15 +31,13 @@ def paged_decode_kernel():
     """`paged_decode(query, keys, values, tables, lengths, scale, softcap, window)`, or None."""
     if os.environ.get("KVWISE_CPU_KERNEL", "1") == "0" or not _has_vector_units():
         return None
-    build = kvwise_home() / "kernels" / _digest()
+    build = kvwise_home() / "kernels" / _digest(FLAGS)
     failed = build / "FAILED"
     if failed.exists():
         warnings.warn(f"kvwise: using SDPA; the CPU decode kernel failed to build before (see {failed})", stacklevel=2)
         return None
     try:
-        build.mkdir(parents=True, exist_ok=True)
-        with _exclusive(build / "kvwise.lock"):
-            return _load(build).paged_decode
+        return build_kernel(FLAGS, build)
     except Exception as error:  # no compiler, no headers, no ninja: SDPA still works
         with contextlib.suppress(OSError):  # an unwritable $KVWISE_HOME: just retry next time
             failed.write_text(f"{error}\n\nDelete this file to try again.\n")
@@ -47,7 +45,16 @@ def paged_decode_kernel():
         return None
 
 
-def _load(build: Path):
+def build_kernel(flags: list[str], build: Path | None = None):
+    """Compile (or load the compiled) kernel with `flags` (tests build an AVX2-only variant);
+    raises if the compiler fails."""
+    build = build or kvwise_home() / "kernels" / _digest(flags)
+    build.mkdir(parents=True, exist_ok=True)
+    with _exclusive(build / "kvwise.lock"):
+        return _load(build, flags).paged_decode
+
+
+def _load(build: Path, flags: list[str]):
     from torch.utils import cpp_extension
 
     _put_ninja_on_path()
@@ -59,7 +66,7 @@ def _load(build: Path):
     if not (build / f"{name}.so").exists():
         print("kvwise: compiling the CPU decode-attention kernel (once per machine, ~30 s)", file=sys.stderr)
     return cpp_extension.load(
-        name, [str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(build)
+        name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build)
     )
 
 
@@ -76,12 +83,12 @@ def _exclusive(path: Path):
             fcntl.flock(file, fcntl.LOCK_UN)
 
 
-def _digest() -> str:
+def _digest(flags: list[str]) -> str:
     import torch
 
     parts = [
         SOURCE.read_bytes(),
-        " ".join(FLAGS).encode(),
+        " ".join(flags).encode(),
         _cpu_flags().encode(),
         torch.__version__.encode(),
         str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),

@@ -11,6 +11,7 @@ prompt prefixes are computed once.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from tqdm import tqdm
@@ -19,6 +20,7 @@ from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import CompletionOutput, EngineCore
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
+from kvwise.tiers.base import Tier
 
 __all__ = ["LLM", "CacheConfig", "CompletionOutput", "KVSettings", "RequestOutput"]
 
@@ -33,13 +35,21 @@ class RequestOutput:
 
 
 class LLM:
-    def __init__(self, model=None, cache_config: CacheConfig | None = None, tokenizer=None, device: str = "auto"):
-        """model: None (the embedded SmolLM2), an HF id or folder, or a loaded transformers model."""
+    def __init__(
+        self,
+        model=None,
+        cache_config: CacheConfig | None = None,
+        tokenizer=None,
+        device: str = "auto",
+        tiers: Sequence[Tier] = (),
+    ):
+        """model: None (the embedded SmolLM2), an HF id or folder, or a loaded transformers model.
+        tiers: where evicted prefix-cache blocks spill (e.g. [HostTier(2 << 30), DiskTier(dir)])."""
         if model is None or isinstance(model, str):
             from kvwise.models import load_model
 
             model, tokenizer = load_model(model, device=device)
-        self.engine = EngineCore(model, tokenizer, cache_config)
+        self.engine = EngineCore(model, tokenizer, cache_config, tiers)
         self.model, self.tokenizer, self.cache_config = model, tokenizer, self.engine.cache_config
 
     @property

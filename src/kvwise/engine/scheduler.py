@@ -23,6 +23,7 @@ from kvwise.core.block_pool import BlockPool
 from kvwise.core.hashing import SHARED_TENANT, Namespace
 from kvwise.core.radix import RadixCache
 from kvwise.engine.request import Request, Status
+from kvwise.kv.prefix_tiers import PrefixTiers
 
 
 @dataclass
@@ -62,8 +63,10 @@ class Scheduler:
         max_running: int = 64,
         fcfs_queue_length: int = 32,
         swap=None,
+        tiers: PrefixTiers | None = None,
     ):
-        """namespace_of(request) -> Namespace: the request's prefix namespace (tenant, model, format)."""
+        """namespace_of(request) -> Namespace: the request's prefix namespace (tenant, model, format).
+        tiers: where the tree's evicted blocks went; an admitted prompt's cached prefix continues there."""
         if token_budget < 1 or max_running < 1:
             raise ValueError("token_budget and max_running must be positive")
         self.pool, self.tree, self.namespace_of = pool, tree, namespace_of
@@ -73,6 +76,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.preemptions = 0
         self.swap = swap  # HostSwap: preempt by spilling to host memory (None: always recompute)
+        self.tiers = tiers
         self.recomputed_blocks = 0  # device blocks dropped by recompute preemptions
         self.release_quantized = None  # callable(request, quantized ids), set by the engine
         self.on_admit: list = []  # callables(request), after its cached prefix is matched (metrics)
@@ -180,7 +184,10 @@ class Scheduler:
     def _admit(self, request: Request) -> None:
         request.status = Status.RUNNING
         if self.tree is not None:
-            match = self.tree.match_prefix(request.prompt[:-1], self.namespace_of(request))
+            namespace = self.namespace_of(request)
+            match = self.tree.match_prefix(request.prompt[:-1], namespace)
+            if self.tiers is not None and self._promote(request, namespace, match):
+                match = self.tree.match_prefix(request.prompt[:-1], namespace)
             self.tree.lock(match.nodes)
             self.pool.incref(match.blocks)
             request.locked_nodes, request.blocks = match.nodes, match.blocks
@@ -188,6 +195,23 @@ class Scheduler:
         self.running.append(request)
         for listener in self.on_admit:
             listener(request)
+
+    def _promote(self, request: Request, namespace, match) -> bool:
+        """Continue the prompt's device match in the tiers; True when blocks came back. Only free
+        blocks and the prefix cache's own make room: promotion never preempts anyone."""
+        usable = (len(request.prompt) - 1) // self.block_size
+        if len(match.nodes) >= usable:
+            return False
+        self.tree.lock(match.nodes)  # making room must not evict the prefix being continued
+        try:
+            return bool(self.tiers.promote(request.prompt, namespace, len(match.nodes), usable, self._room_for))
+        finally:
+            self.tree.unlock(match.nodes)
+
+    def _room_for(self, count: int) -> bool:
+        if not self.pool.can_allocate(count):
+            self.tree.evict(count - self.pool.num_free)
+        return self.pool.can_allocate(count)
 
     # ---- memory ------------------------------------------------------------------------------
     def _reserve(self, request: Request, tokens: int, step: Step, may_preempt: bool = False) -> bool:

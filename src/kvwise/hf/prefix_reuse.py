@@ -17,38 +17,19 @@ when freed. Keys chain the block's tokens, the model, the tenant and the KV dtyp
 
 from __future__ import annotations
 
-from collections import Counter
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
 
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.hashing import Namespace, chain_keys
-from kvwise.core.radix import Node, RadixCache
+from kvwise.core.radix import RadixCache
 from kvwise.hf.geometry import kv_geometry, paged_storage_for
+from kvwise.kv.prefix_tiers import PrefixTiers, ReuseStats
 from kvwise.tiers.base import Tier
 
-
-@dataclass
-class ReuseStats:
-    """Token counts of lookups and where hits came from; spill and eviction volumes."""
-
-    queries_tokens: int = 0
-    hits_tokens: Counter = field(default_factory=Counter)  # tier name ("device", "host", ...) -> tokens
-    evictions: int = 0
-    evicted_bytes: int = 0
-    spilled_bytes: int = 0
-    recomputed_blocks: int = 0  # blocks a tier had but could not return (corrupt, down)
-
-    @property
-    def hit_rate(self) -> float:
-        return sum(self.hits_tokens.values()) / self.queries_tokens if self.queries_tokens else 0.0
-
-    @property
-    def spill_ratio(self) -> float:
-        return self.spilled_bytes / self.evicted_bytes if self.evicted_bytes else 0.0
+__all__ = ["PrefixReuse", "ReuseStats"]
 
 
 class PrefixReuse:
@@ -78,9 +59,11 @@ class PrefixReuse:
         self.pool = BlockPool(device_blocks, block_size)
         self.storage = paged_storage_for(model, device_blocks, block_size)
         self.storage.attach(self.pool)
-        self.tree = RadixCache(self.pool, eviction=eviction, on_evict=self._spill)
+        self.tree = RadixCache(self.pool, eviction=eviction)
         self.tiers = list(tiers)
         self.stats = ReuseStats()
+        self.tiered = PrefixTiers(self.tiers, self.storage, self.pool, self.tree, self.stats)
+        self.tree.on_evict = self.tiered.spill
         self._prefetcher: ThreadPoolExecutor | None = None
 
     # ---- the one-call API ------------------------------------------------------------------------
@@ -108,7 +91,7 @@ class PrefixReuse:
         self.stats.hits_tokens["device"] += len(nodes) * self.block_size
         self.tree.lock(nodes)  # nothing we are about to read may be evicted while promoting
         try:
-            nodes += self._promote(tokens, len(nodes), usable_blocks)
+            nodes += self.tiered.promote(tokens, self.namespace, len(nodes), usable_blocks, self._make_room)
         finally:
             self.tree.unlock(match.nodes)
         cache = DynamicCache(config=self.model.config)
@@ -177,46 +160,6 @@ class PrefixReuse:
         return moved
 
     # ---- internals -------------------------------------------------------------------------------
-    def _promote(self, tokens: list[int], first: int, usable_blocks: int) -> list[Node]:
-        """Fetch blocks first.. from the tiers until one misses, then move them to the device at once."""
-        if not self.tiers or first >= usable_blocks:
-            return []
-        keys = chain_keys(tokens[: usable_blocks * self.block_size], self.block_size, self.namespace)
-        found = []
-        for index in range(first, usable_blocks):
-            fetched = self._fetch(keys[index])
-            if fetched is None:
-                break
-            found.append(fetched)
-        if not found or not self._make_room(len(found)):
-            return []
-        blocks = self.pool.allocate(len(found))
-        data = torch.stack([block for _, block in found]).to(self.model.device)  # [n, layers, 2, bs, heads, dim]
-        slots = (
-            (torch.tensor(blocks, device=self.model.device)[:, None] * self.block_size)
-            .add(torch.arange(self.block_size, device=self.model.device))
-            .flatten()
-        )
-        for layer in range(self.num_layers):
-            self.storage.write(layer, slots, data[:, layer, 0].flatten(0, 1), data[:, layer, 1].flatten(0, 1))
-        end = (first + len(found)) * self.block_size
-        path = self.tree.insert(tokens[:end], [-1] * first + blocks, self.namespace)
-        self.pool.release(blocks)  # the tree holds the blocks it kept
-        promoted = path[first:]
-        for (tier_name, _), _node in zip(found, promoted):
-            self.stats.hits_tokens[tier_name] += self.block_size
-        return promoted
-
-    def _fetch(self, key: bytes) -> tuple[str, torch.Tensor] | None:
-        for tier in self.tiers:
-            corrupt_before, errors_before = tier.stats.corrupt, tier.stats.errors
-            data = tier.get(key)
-            if data is not None:
-                return tier.name, data
-            if tier.stats.corrupt > corrupt_before or tier.stats.errors > errors_before:
-                self.stats.recomputed_blocks += 1
-        return None
-
     def _make_room(self, count: int) -> bool:
         if not self.pool.can_allocate(count):
             self.tree.evict(count - self.pool.num_free)
@@ -229,21 +172,3 @@ class PrefixReuse:
             keys = layer_cache.keys[0, :, start : start + self.block_size].transpose(0, 1)
             values = layer_cache.values[0, :, start : start + self.block_size].transpose(0, 1)
             self.storage.write(layer, slots, keys, values)
-
-    def _block_tensor(self, block: int) -> torch.Tensor:
-        """[num_layers, 2, block_size, num_kv_heads, head_dim] copy of a device block."""
-        return torch.stack(
-            [
-                torch.stack([self.storage.keys[layer][block], self.storage.values[layer][block]])
-                for layer in range(self.num_layers)
-            ]
-        )
-
-    def _spill(self, node: Node) -> None:
-        """Write an evicted device block to every tier before its memory is zeroed."""
-        data = self._block_tensor(node.block)
-        self.stats.evictions += 1
-        self.stats.evicted_bytes += data.nbytes
-        accepted = [tier.put(node.key, data) for tier in self.tiers]
-        if any(accepted):
-            self.stats.spilled_bytes += data.nbytes

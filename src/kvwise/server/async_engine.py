@@ -48,7 +48,10 @@ class AsyncEngine:
 
     @property
     def queue_depth(self) -> int:
-        return len(self.core.scheduler.waiting) + self._pending_adds
+        """Requests not yet admitted. Preempted requests wait too, but they are work the server
+        already took on: counting them would answer 429 under memory pressure alone."""
+        waiting = list(self.core.scheduler.waiting)  # one C-level copy: the engine thread mutates the deque
+        return sum(1 for request in waiting if not request.preemptions) + self._pending_adds
 
     def submit(self, requests: list[Request]) -> asyncio.Queue:
         """Queue requests; their TokenEvents (or an EngineFailure) arrive on the returned queue."""

@@ -98,6 +98,11 @@ class _StateCollector:
         if swap is not None:
             usage.add_metric(["host"], swap.used_bytes)
             capacity.add_metric(["host"], swap.capacity_bytes)
+        tiers = core.prefix_tiers.tiers if core.prefix_tiers is not None else []
+        for tier in tiers:  # where evicted prefix blocks went
+            usage.add_metric([f"prefix_{tier.name}"], tier.stats.bytes_held)
+            if getattr(tier, "capacity_bytes", None) is not None:
+                capacity.add_metric([f"prefix_{tier.name}"], tier.capacity_bytes)
         quantized = sum(pool.used_bytes() for pool in list(core.quant_pools.values()))
         usage.add_metric(["device_quantized"], quantized)
         yield usage
@@ -112,11 +117,26 @@ class _StateCollector:
             error.add_metric([name, "values"], pool.mean_error("values"))
         yield error
         given_up = spilled + core.scheduler.recomputed_blocks + evicted
+        kept = spilled + core.prefix_stats.spilled_blocks
         yield GaugeMetricFamily(
             "kvwise_spill_ratio",
-            "Of the device blocks given up (preemption, prefix-cache eviction), the share spilled to host",
-            value=spilled / given_up if given_up else 0.0,
+            "Of the device blocks given up (preemption, prefix-cache eviction), the share kept on a lower tier",
+            value=kept / given_up if given_up else 0.0,
         )
+        tier_hits = CounterMetricFamily(
+            "kvwise_prefix_cache_tier_hits_tokens",
+            "Prompt tokens whose KV came back from a lower tier",
+            labels=["tier"],
+        )
+        tier_errors = CounterMetricFamily(
+            "kvwise_prefix_tier_errors", "Lower-tier failures (the block is recomputed)", labels=["tier", "kind"]
+        )
+        for tier in tiers:
+            tier_hits.add_metric([tier.name], core.prefix_stats.hits_tokens[tier.name])
+            tier_errors.add_metric([tier.name, "corrupt"], tier.stats.corrupt)
+            tier_errors.add_metric([tier.name, "unavailable"], tier.stats.errors)
+        yield tier_hits
+        yield tier_errors
         swapped = CounterMetricFamily("kvwise_swapped_blocks", "Blocks copied between tiers", labels=["direction"])
         swapped.add_metric(["out"], spilled)
         swapped.add_metric(["in"], swap.swapped_in_blocks if swap is not None else 0)

@@ -30,6 +30,18 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--max-running", type=int, default=CacheConfig.max_running)
     parser.add_argument("--no-prefix-caching", action="store_true")
     parser.add_argument("--swap-space-gb", type=float, default=4.0, help="host memory for preempted requests' KV")
+    parser.add_argument(
+        "--prefix-quota-blocks",
+        type=int,
+        default=None,
+        help="prefix-cache blocks a tenant may hold (default: all)",
+    )
+    parser.add_argument("--host-cache-gb", type=float, default=0.0, help="host RAM for evicted prefix blocks (0: none)")
+    parser.add_argument("--disk-cache", default=None, help="directory for evicted prefix blocks, below host RAM")
+    parser.add_argument("--disk-cache-gb", type=float, default=None, help="bound on --disk-cache (default: none)")
+    parser.add_argument(
+        "--redis-url", default=None, help="Redis for evicted prefix blocks, last tier (HMAC key: KVWISE_REDIS_HMAC_KEY)"
+    )
     parser.add_argument("--default-max-tokens", type=int, default=256, help="for chat requests without max_tokens")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
     parser.add_argument("--log-level", default="info")
@@ -52,12 +64,39 @@ def build_app(args):
         max_running=args.max_running,
         prefix_caching=not args.no_prefix_caching,
         swap_space_bytes=int(args.swap_space_gb * (1 << 30)),
+        prefix_quota_blocks=args.prefix_quota_blocks,
     )
+    tiers = prefix_tiers(args)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     name = args.served_model_name or (EMBEDDED_NAME if args.model is None else Path(args.model.rstrip("/")).name)
-    core = EngineCore(model, tokenizer, cache)
+    core = EngineCore(model, tokenizer, cache, tiers)
     settings = ServerSettings(name, keys, args.max_queue, default_max_tokens=args.default_max_tokens)
     return create_app(core, settings)
+
+
+def prefix_tiers(args) -> list:
+    """The tiers under the prefix cache, fastest first: host RAM, disk, Redis (each optional)."""
+    tiers = []
+    if args.host_cache_gb < 0 or (args.disk_cache_gb is not None and args.disk_cache_gb <= 0):
+        raise ValueError("--host-cache-gb must be >= 0 and --disk-cache-gb > 0")
+    if args.host_cache_gb:
+        from kvwise.tiers.host import HostTier
+
+        tiers.append(HostTier(int(args.host_cache_gb * (1 << 30))))
+    if args.disk_cache:
+        from kvwise.tiers.disk import DiskTier
+
+        capacity = None if args.disk_cache_gb is None else int(args.disk_cache_gb * (1 << 30))
+        tiers.append(DiskTier(args.disk_cache, capacity))
+    if args.redis_url:
+        from kvwise.tiers.redis_tier import RedisTier
+
+        tiers.append(RedisTier(args.redis_url))
+    if tiers and args.no_prefix_caching:
+        raise ValueError(
+            "--host-cache-gb, --disk-cache and --redis-url hold prefix-cache blocks: drop --no-prefix-caching"
+        )
+    return tiers
 
 
 def run_server(args) -> None:

@@ -9,8 +9,10 @@
 #endif
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <limits>
+#include <numeric>
 #include <vector>
 
 namespace {
@@ -63,6 +65,42 @@ inline float exp_shifted(float* s, int64_t n, float peak) {
   float sum = _mm512_reduce_add_ps(total);
   for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - peak));
   return sum;
+}
+// Four dot products of q with four key rows: one horizontal reduction for all four, where four
+// separate ones would cost twice the shuffles. out[j] = q . k[j].
+inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m512 query = _mm512_loadu_ps(q + i);
+    a0 = _mm512_fmadd_ps(query, _mm512_loadu_ps(k[0] + i), a0);
+    a1 = _mm512_fmadd_ps(query, _mm512_loadu_ps(k[1] + i), a1);
+    a2 = _mm512_fmadd_ps(query, _mm512_loadu_ps(k[2] + i), a2);
+    a3 = _mm512_fmadd_ps(query, _mm512_loadu_ps(k[3] + i), a3);
+  }
+  // [a0 a1 a0 a1 | ...] then [a0 a1 a2 a3] per 128-bit lane, then the four lanes added
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 s0123 = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(s0123), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s0123), 1)));
+  __m128 sums = _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
+  _mm_storeu_ps(out, sums);
+  for (; i < n; ++i)
+    for (int j = 0; j < 4; ++j) out[j] += q[i] * k[j][i];
+}
+// y += w[0] v[0] + ... + w[3] v[3]: one load and store of y for four rows.
+inline void axpy4(const float* w, const float* const* v, float* y, int64_t n) {
+  const __m512 w0 = _mm512_set1_ps(w[0]), w1 = _mm512_set1_ps(w[1]), w2 = _mm512_set1_ps(w[2]), w3 = _mm512_set1_ps(w[3]);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    __m512 acc = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v[0] + i), _mm512_loadu_ps(y + i));
+    acc = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v[1] + i), acc);
+    acc = _mm512_fmadd_ps(w2, _mm512_loadu_ps(v[2] + i), acc);
+    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(w3, _mm512_loadu_ps(v[3] + i), acc));
+  }
+  for (; i < n; ++i) y[i] += w[0] * v[0][i] + w[1] * v[1][i] + w[2] * v[2][i] + w[3] * v[3][i];
 }
 #elif defined(__AVX2__) && defined(__FMA__)
 inline float dot(const float* a, const float* b, int64_t n) {
@@ -133,6 +171,16 @@ inline float exp_shifted(float* s, int64_t n, float peak) {
 }
 #endif
 
+#if !defined(__AVX512F__)
+inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
+  for (int j = 0; j < 4; ++j) out[j] = dot(q, k[j], n);
+}
+
+inline void axpy4(const float* w, const float* const* v, float* y, int64_t n) {
+  for (int j = 0; j < 4; ++j) axpy(w[j], v[j], y, n);
+}
+#endif
+
 }  // namespace
 
 // query:   [B, H, D] float32
@@ -186,22 +234,43 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tenso
   // group of query heads per task instead.
   const int64_t heads_per_task = batch >= 2 * at::get_num_threads() ? heads : group;
   const int64_t tasks_per_sequence = heads / heads_per_task;
-  at::parallel_for(0, batch * tasks_per_sequence, 1, [&](int64_t begin, int64_t end) {
+  // Longest sequences first, handed out one at a time: lengths differ several-fold, and a static
+  // split would leave one thread idle while another still works through the long ones.
+  const int64_t tasks = batch * tasks_per_sequence;
+  std::vector<int64_t> order(tasks);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return length_of[x / tasks_per_sequence] > length_of[y / tasks_per_sequence];
+  });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
-    for (int64_t task = begin; task < end; ++task) {
+    for (int64_t taken = next++; taken < tasks; taken = next++) {
+      const int64_t task = order[taken];
       const int64_t b = task / tasks_per_sequence, head0 = task % tasks_per_sequence * heads_per_task;
       const int64_t length = length_of[b];
       const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0, n = length - first;
       const int64_t* table = table_of + b * max_blocks;
       const float* q = q_all + (b * heads + head0) * dim;
       scores.resize(heads_per_task * n);  // [heads_per_task, n]
-      for (int64_t t = first; t < length; ++t) {
-        const float* k = k_pool + (table[t / block_size] * block_size + t % block_size) * row;
+      auto key_row = [&](int64_t t) { return k_pool + (table[t / block_size] * block_size + t % block_size) * row; };
+      int64_t t = first;
+      for (; t + 4 <= length; t += 4) {  // four keys at a time share the query loads and one reduction
+        const float* rows[4] = {key_row(t), key_row(t + 1), key_row(t + 2), key_row(t + 3)};
         for (int64_t h = 0; h < heads_per_task; ++h) {
-          float s = dot(q + h * dim, k + (head0 + h) / group * dim, dim) * scale_f;
-          if (cap > 0.f) s = std::tanh(s / cap) * cap;
-          scores[h * n + (t - first)] = s;
+          const int64_t offset = (head0 + h) / group * dim;
+          const float* k[4] = {rows[0] + offset, rows[1] + offset, rows[2] + offset, rows[3] + offset};
+          dot4(q + h * dim, k, dim, scores.data() + h * n + (t - first));
         }
+      }
+      for (; t < length; ++t) {
+        const float* k = key_row(t);
+        for (int64_t h = 0; h < heads_per_task; ++h)
+          scores[h * n + (t - first)] = dot(q + h * dim, k + (head0 + h) / group * dim, dim);
+      }
+      for (int64_t i = 0; i < heads_per_task * n; ++i) {
+        scores[i] *= scale_f;
+        if (cap > 0.f) scores[i] = std::tanh(scores[i] / cap) * cap;
       }
       float* out = out_all + (b * heads + head0) * dim;
       std::fill(out, out + heads_per_task * dim, 0.f);
@@ -210,8 +279,17 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tenso
         float* s = scores.data() + h * n;
         totals[h] = exp_shifted(s, n, *std::max_element(s, s + n));
       }
-      for (int64_t t = first; t < length; ++t) {
-        const float* v = v_pool + (table[t / block_size] * block_size + t % block_size) * row;
+      auto value_row = [&](int64_t t) { return v_pool + (table[t / block_size] * block_size + t % block_size) * row; };
+      for (t = first; t + 4 <= length; t += 4) {  // four rows per pass over the output
+        const float* rows[4] = {value_row(t), value_row(t + 1), value_row(t + 2), value_row(t + 3)};
+        for (int64_t h = 0; h < heads_per_task; ++h) {
+          const int64_t offset = (head0 + h) / group * dim;
+          const float* v[4] = {rows[0] + offset, rows[1] + offset, rows[2] + offset, rows[3] + offset};
+          axpy4(scores.data() + h * n + (t - first), v, out + h * dim, dim);
+        }
+      }
+      for (; t < length; ++t) {
+        const float* v = value_row(t);
         for (int64_t h = 0; h < heads_per_task; ++h)
           axpy(scores[h * n + (t - first)], v + (head0 + h) / group * dim, out + h * dim, dim);
       }

@@ -1,0 +1,132 @@
+"""`PrefixTiers`: the tiers under a device prefix cache (a `RadixCache` over a paged pool).
+
+    tiers = PrefixTiers([HostTier(2 << 30), DiskTier("/var/kvwise")], storage, pool, tree)
+    tree.on_evict = tiers.spill          # write-through at eviction, before the block is zeroed
+    nodes = tiers.promote(tokens, namespace, first=len(match.nodes), usable_blocks=n, make_room=...)
+
+Shared by the library path (`hf.PrefixReuse`) and the engine (`engine.EngineCore`): a block
+evicted from the device is written to every tier; a prompt whose cached prefix ends on the device
+continues block by block in the tiers (host, then disk, then Redis, in the order given), and the
+blocks found are copied into fresh device blocks and inserted in the tree. A tier that is down,
+full or returns a corrupt block simply misses, and the block is recomputed.
+
+A block on a tier is one tensor [num_layers, 2 (keys, values), block_size, num_kv_heads, head_dim].
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvwise.core.block_pool import BlockPool
+from kvwise.core.hashing import Namespace, chain_keys
+from kvwise.core.radix import Node, RadixCache
+from kvwise.kv.paged import PagedKVStorage
+from kvwise.tiers.base import Tier
+
+
+@dataclass
+class ReuseStats:
+    """Token counts of lookups and where hits came from; spill and eviction volumes."""
+
+    queries_tokens: int = 0
+    hits_tokens: Counter = field(default_factory=Counter)  # tier name ("device", "host", ...) -> tokens
+    evictions: int = 0
+    evicted_bytes: int = 0
+    spilled_bytes: int = 0
+    spilled_blocks: int = 0  # evicted blocks at least one tier accepted
+    recomputed_blocks: int = 0  # blocks a tier had but could not return (corrupt, down)
+
+    @property
+    def hit_rate(self) -> float:
+        return sum(self.hits_tokens.values()) / self.queries_tokens if self.queries_tokens else 0.0
+
+    @property
+    def spill_ratio(self) -> float:
+        return self.spilled_bytes / self.evicted_bytes if self.evicted_bytes else 0.0
+
+
+class PrefixTiers:
+    def __init__(
+        self,
+        tiers: Sequence[Tier],
+        storage: PagedKVStorage,
+        pool: BlockPool,
+        tree: RadixCache,
+        stats: ReuseStats | None = None,
+    ):
+        self.tiers, self.storage, self.pool, self.tree = list(tiers), storage, pool, tree
+        self.block_size = pool.block_size
+        self.stats = stats if stats is not None else ReuseStats()
+
+    def spill(self, node: Node) -> None:
+        """Write an evicted device block to every tier (RadixCache.on_evict: before it is zeroed)."""
+        data = self.block_tensor(node.block)
+        self.stats.evictions += 1
+        self.stats.evicted_bytes += data.nbytes
+        accepted = [tier.put(node.key, data) for tier in self.tiers]
+        if any(accepted):
+            self.stats.spilled_bytes += data.nbytes
+            self.stats.spilled_blocks += 1
+
+    def promote(
+        self,
+        tokens: Sequence[int],
+        namespace: Namespace,
+        first: int,
+        usable_blocks: int,
+        make_room: Callable[[int], bool],
+    ) -> list[Node]:
+        """Blocks first.. of `tokens` fetched from the tiers until one misses, copied into device
+        blocks and inserted in the tree (which holds them); returns their nodes.
+
+        make_room(n): True once n device blocks can be allocated. The caller locks the nodes
+        before `first`, so making room never evicts the prefix this continues.
+        """
+        if not self.tiers or first >= usable_blocks:
+            return []
+        keys = chain_keys(tokens[: usable_blocks * self.block_size], self.block_size, namespace)
+        found = []
+        for index in range(first, usable_blocks):
+            fetched = self.fetch(keys[index])
+            if fetched is None:
+                break
+            found.append(fetched)
+        if not found or not make_room(len(found)):
+            return []
+        blocks = self.pool.allocate(len(found))
+        device = self.storage.keys[0].device
+        data = torch.stack([block for _, block in found]).to(device)  # [n, layers, 2, block_size, heads, dim]
+        slots = (torch.tensor(blocks, device=device)[:, None] * self.block_size).add(
+            torch.arange(self.block_size, device=device)
+        )
+        for layer in range(len(self.storage.keys)):
+            keys_, values = data[:, layer, 0].flatten(0, 1), data[:, layer, 1].flatten(0, 1)
+            self.storage.write(layer, slots.flatten(), keys_, values)
+        end = (first + len(found)) * self.block_size
+        path = self.tree.insert(tokens[:end], [-1] * first + blocks, namespace)
+        self.pool.release(blocks)  # the tree holds the blocks it kept
+        promoted = path[first:]
+        for (tier_name, _), _node in zip(found, promoted):
+            self.stats.hits_tokens[tier_name] += self.block_size
+        return promoted
+
+    def fetch(self, key: bytes) -> tuple[str, torch.Tensor] | None:
+        """(tier name, block) from the first tier that has `key`, or None."""
+        for tier in self.tiers:
+            corrupt_before, errors_before = tier.stats.corrupt, tier.stats.errors
+            data = tier.get(key)
+            if data is not None:
+                return tier.name, data
+            if tier.stats.corrupt > corrupt_before or tier.stats.errors > errors_before:
+                self.stats.recomputed_blocks += 1
+        return None
+
+    def block_tensor(self, block: int) -> torch.Tensor:
+        """[num_layers, 2, block_size, num_kv_heads, head_dim] copy of a device block."""
+        return torch.stack(
+            [torch.stack([keys[block], values[block]]) for keys, values in zip(self.storage.keys, self.storage.values)]
+        )

@@ -1,0 +1,96 @@
+"""The engine's prefix cache over lower tiers: evicted blocks spill, come back, stay isolated."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from kvwise.engine.config import CacheConfig
+from kvwise.engine.core import EngineCore
+from kvwise.engine.sampling import SamplingParams
+from kvwise.tiers.disk import DiskTier
+from kvwise.tiers.host import HostTier
+
+CONFIG = CacheConfig(block_size=4, num_blocks=40, token_budget=64, max_running=4)
+
+
+def run(core: EngineCore, prompt: list[int], tenant: str = "default"):
+    request = core.make_request(prompt, SamplingParams(max_tokens=4, temperature=0), tenant=tenant)
+    core.add(request)
+    while core.has_work:
+        core.step()
+    return request
+
+
+def flush_device(core: EngineCore, seed: int) -> None:
+    """Unrelated prompts until every earlier prefix block is evicted from the device pool."""
+    rng = random.Random(seed)
+    for _ in range(4):
+        run(core, [rng.randrange(3, 128) for _ in range(100)])
+
+
+def prompt(seed: int, length: int = 41) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 128) for _ in range(length)]
+
+
+def test_evicted_prefix_blocks_come_back_from_the_host_tier(llama):
+    with_tier = EngineCore(llama, None, CONFIG, tiers=[HostTier(64 << 20)])
+    without = EngineCore(llama, None, CONFIG)
+    outputs = {}
+    for name, core in (("tier", with_tier), ("none", without)):
+        first = run(core, prompt(1))
+        flush_device(core, seed=2)
+        again = run(core, prompt(1))
+        outputs[name] = (first, again)
+    first, again = outputs["tier"]
+    assert again.output == first.output  # greedy: the restored KV is the KV
+    assert again.reused == 40  # all 10 full blocks (the last prompt token is always computed)
+    assert with_tier.prefix_stats.hits_tokens["host"] == 40
+    assert with_tier.prefix_stats.spilled_blocks >= 10
+    assert outputs["none"][1].reused == 0  # the same traffic without a tier loses the prefix
+
+
+def test_a_corrupt_disk_block_is_recomputed_with_the_same_output(llama, tmp_path):
+    core = EngineCore(llama, None, CONFIG, tiers=[DiskTier(tmp_path)])
+    first = run(core, prompt(4))
+    flush_device(core, seed=5)
+    files = sorted(tmp_path.glob("*/*.kvb"))
+    assert files, "evicted blocks were not written to disk"
+    for path in files:  # flip a byte in every block's data: each one fails its checksum
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF
+        path.write_bytes(bytes(data))
+    again = run(core, prompt(4))
+    assert again.output == first.output
+    assert again.reused == 0 and core.prefix_stats.recomputed_blocks >= 1
+    assert core.prefix_tiers.tiers[0].stats.corrupt >= 1
+
+
+def test_tenants_do_not_get_each_others_spilled_blocks(llama):
+    core = EngineCore(llama, None, CONFIG, tiers=[HostTier(64 << 20)])
+    run(core, prompt(7), tenant="alice")
+    flush_device(core, seed=8)
+    bob = run(core, prompt(7), tenant="bob")
+    assert bob.reused == 0 and core.prefix_stats.hits_tokens["host"] == 0
+    alice = run(core, prompt(7), tenant="alice")
+    assert alice.reused == 40
+
+
+def test_a_tenant_at_its_quota_evicts_its_own_prefixes_first(llama):
+    config = CacheConfig(block_size=4, num_blocks=64, token_budget=64, max_running=4, prefix_quota_blocks=12)
+    core = EngineCore(llama, None, config)
+    run(core, prompt(10), tenant="alice")
+    for seed in range(11, 15):  # bob's traffic: far more than his quota
+        run(core, prompt(seed), tenant="bob")
+    usage = core.tree.usage
+    assert usage["alice"] >= 10 and usage["bob"] <= 12  # alice: her prompt (and output) blocks
+    assert run(core, prompt(10), tenant="alice").reused == 40
+
+
+def test_tiers_need_prefix_caching(llama):
+    with pytest.raises(ValueError, match="prefix_caching"):
+        EngineCore(llama, None, CacheConfig(prefix_caching=False), tiers=[HostTier(1 << 20)])
+    with pytest.raises(ValueError, match="prefix_quota_blocks"):
+        CacheConfig(prefix_quota_blocks=0)

@@ -94,3 +94,22 @@ def test_tiers_need_prefix_caching(llama):
         EngineCore(llama, None, CacheConfig(prefix_caching=False), tiers=[HostTier(1 << 20)])
     with pytest.raises(ValueError, match="prefix_quota_blocks"):
         CacheConfig(prefix_quota_blocks=0)
+
+
+def test_serve_flags_build_the_tiers_in_order(tmp_path, monkeypatch):
+    import argparse
+
+    from kvwise.server.serve import add_serve_arguments, prefix_tiers
+
+    parser = argparse.ArgumentParser()
+    add_serve_arguments(parser)
+    args = parser.parse_args(["--host-cache-gb", "0.5", "--disk-cache", str(tmp_path), "--disk-cache-gb", "1"])
+    host, disk = prefix_tiers(args)
+    assert (host.name, host.capacity_bytes) == ("host", 1 << 29)
+    assert (disk.name, disk.capacity_bytes, disk.directory) == ("disk", 1 << 30, tmp_path)
+    assert prefix_tiers(parser.parse_args([])) == []
+    with pytest.raises(ValueError, match="no-prefix-caching"):
+        prefix_tiers(parser.parse_args(["--host-cache-gb", "1", "--no-prefix-caching"]))
+    monkeypatch.delenv("KVWISE_REDIS_HMAC_KEY", raising=False)
+    with pytest.raises(ValueError, match="HMAC key"):
+        prefix_tiers(parser.parse_args(["--redis-url", "redis://127.0.0.1:1/0"]))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
@@ -68,6 +69,21 @@ def test_a_corrupt_disk_block_is_recomputed_with_the_same_output(llama, tmp_path
     assert core.prefix_tiers.tiers[0].stats.corrupt >= 1
 
 
+def test_a_tier_block_of_another_geometry_is_a_miss_and_leaks_nothing(llama):
+    """A key can outlive its model (a checkpoint replaced at the same path, a shared Redis):
+    a block of the wrong shape is dropped and recomputed, and every block goes back."""
+    host = HostTier(64 << 20)
+    core = EngineCore(llama, None, CONFIG, tiers=[host])
+    first = run(core, prompt(6))
+    flush_device(core, seed=7)
+    for key in list(host._blocks):
+        host._blocks[key] = torch.zeros(2, 2, 4, 1, 8)
+    again = run(core, prompt(6))
+    assert again.output == first.output and again.reused == 0 and host.stats.corrupt >= 1
+    held = {node.block for node in core.tree.nodes()}
+    assert all(count == (block in held) for block, count in enumerate(core.pool.ref_counts))
+
+
 def test_tenants_do_not_get_each_others_spilled_blocks(llama):
     core = EngineCore(llama, None, CONFIG, tiers=[HostTier(64 << 20)])
     run(core, prompt(7), tenant="alice")
@@ -78,15 +94,19 @@ def test_tenants_do_not_get_each_others_spilled_blocks(llama):
     assert alice.reused == 40
 
 
-def test_a_tenant_at_its_quota_evicts_its_own_prefixes_first(llama):
-    config = CacheConfig(block_size=4, num_blocks=64, token_budget=64, max_running=4, prefix_quota_blocks=12)
-    core = EngineCore(llama, None, config)
-    run(core, prompt(10), tenant="alice")
-    for seed in range(11, 15):  # bob's traffic: far more than his quota
-        run(core, prompt(seed), tenant="bob")
-    usage = core.tree.usage
-    assert usage["alice"] >= 10 and usage["bob"] <= 12  # alice: her prompt (and output) blocks
-    assert run(core, prompt(10), tenant="alice").reused == 40
+def test_a_tenant_at_its_quota_cannot_flush_another(llama):
+    """A 40-block pool: bob's four prompts would fill it and push alice's prefix out; with a
+    quota of 12 blocks he evicts his own prefixes instead."""
+    outcomes = {}
+    for quota in (None, 12):
+        config = CacheConfig(block_size=4, num_blocks=40, token_budget=64, max_running=4, prefix_quota_blocks=quota)
+        core = EngineCore(llama, None, config)
+        run(core, prompt(10), tenant="alice")
+        for seed in range(11, 15):
+            run(core, prompt(seed), tenant="bob")
+        outcomes[quota] = (core.tree.usage["bob"], run(core, prompt(10), tenant="alice").reused)
+    assert outcomes[None][1] == 0  # no quota: alice's prefix was flushed
+    assert outcomes[12][0] <= 12 and outcomes[12][1] == 40
 
 
 def test_tiers_need_prefix_caching(llama):
@@ -108,6 +128,10 @@ def test_serve_flags_build_the_tiers_in_order(tmp_path, monkeypatch):
     assert (host.name, host.capacity_bytes) == ("host", 1 << 29)
     assert (disk.name, disk.capacity_bytes, disk.directory) == ("disk", 1 << 30, tmp_path)
     assert prefix_tiers(parser.parse_args([])) == []
+    with pytest.raises(ValueError, match="give the directory"):
+        prefix_tiers(parser.parse_args(["--disk-cache-gb", "1"]))
+    with pytest.raises(ValueError, match="must be >= 0"):
+        prefix_tiers(parser.parse_args(["--host-cache-gb", "nan"]))
     with pytest.raises(ValueError, match="no-prefix-caching"):
         prefix_tiers(parser.parse_args(["--host-cache-gb", "1", "--no-prefix-caching"]))
     monkeypatch.delenv("KVWISE_REDIS_HMAC_KEY", raising=False)

@@ -141,6 +141,28 @@ def test_redis_down_is_a_miss_not_a_failure(tmp_path):
     assert tier.stats.errors >= 3 and tier.last_error
 
 
+def test_redis_down_fails_fast_until_retry(tmp_path, monkeypatch):
+    """After one failure the tier does not wait out a socket timeout per call (the engine spills
+    on its own thread); once retry_seconds pass it tries Redis again."""
+    server = start_redis(tmp_path / "flaky")
+    tier = RedisTier(server.url, hmac_key=HMAC_KEY, timeout_seconds=0.2, retry_seconds=3600)
+    key = keys(1, tenant="flaky")[0]
+    server.stop()
+    assert tier.put(key, block(14)) is False  # the one call that meets the dead socket
+
+    def untouched(*args, **kwargs):
+        raise AssertionError("Redis was called while resting")
+
+    for method in ("get", "set", "exists", "delete"):
+        monkeypatch.setattr(tier.client, method, untouched)
+    assert tier.get(key) is None and tier.put(key, block(14)) is False and not tier.exists(key)
+    tier.delete(key)
+    tier._down_until = 0.0  # the retry time has passed
+    asked = []
+    monkeypatch.setattr(tier.client, "get", lambda name: asked.append(name))
+    assert tier.get(key) is None and asked  # Redis asked again (a miss)
+
+
 def test_redis_cluster_of_three_nodes(tmp_path):
     servers = start_cluster(tmp_path)
     try:

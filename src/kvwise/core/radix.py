@@ -165,7 +165,8 @@ class RadixCache:
         return self._evict(count, only_tenant=None, protect=None)
 
     def _order(self, node: Node) -> tuple:
-        over_quota = self.usage[node.tenant] > self.quota(node.tenant)
+        # insert() keeps a tenant at or under its quota, so "at" is the state to evict first from
+        over_quota = self.usage[node.tenant] >= self.quota(node.tenant)
         use = (node.hits, node.last_access) if self.eviction == "lfu" else (node.last_access, node.hits)
         # a block a running request still holds frees no memory when its node goes: those go last
         in_use = self.pool.ref_counts[node.block] > 1

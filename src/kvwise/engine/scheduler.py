@@ -208,10 +208,10 @@ class Scheduler:
         finally:
             self.tree.unlock(match.nodes)
 
-    def _room_for(self, count: int) -> bool:
+    def _room_for(self, count: int) -> int:
         if not self.pool.can_allocate(count):
             self.tree.evict(count - self.pool.num_free)
-        return self.pool.can_allocate(count)
+        return min(count, self.pool.num_free)
 
     # ---- memory ------------------------------------------------------------------------------
     def _reserve(self, request: Request, tokens: int, step: Step, may_preempt: bool = False) -> bool:

@@ -91,7 +91,7 @@ class PrefixReuse:
         self.stats.hits_tokens["device"] += len(nodes) * self.block_size
         self.tree.lock(nodes)  # nothing we are about to read may be evicted while promoting
         try:
-            nodes += self.tiered.promote(tokens, self.namespace, len(nodes), usable_blocks, self._make_room)
+            nodes += self.tiered.promote(tokens, self.namespace, len(nodes), usable_blocks, self._room_for)
         finally:
             self.tree.unlock(match.nodes)
         cache = DynamicCache(config=self.model.config)
@@ -160,6 +160,10 @@ class PrefixReuse:
         return moved
 
     # ---- internals -------------------------------------------------------------------------------
+    def _room_for(self, count: int) -> int:
+        """Blocks, up to `count`, that can be allocated after evicting cached prefixes."""
+        return count if self._make_room(count) else min(count, self.pool.num_free)
+
     def _make_room(self, count: int) -> bool:
         if not self.pool.can_allocate(count):
             self.tree.evict(count - self.pool.num_free)

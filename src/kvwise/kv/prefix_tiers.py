@@ -67,7 +67,7 @@ class PrefixTiers:
         data = self.block_tensor(node.block)
         self.stats.evictions += 1
         self.stats.evicted_bytes += data.nbytes
-        accepted = [tier.put(node.key, data) for tier in self.tiers]
+        accepted = [self._put(tier, node.key, data) for tier in self.tiers]
         if any(accepted):
             self.stats.spilled_bytes += data.nbytes
             self.stats.spilled_blocks += 1
@@ -83,23 +83,27 @@ class PrefixTiers:
         """Blocks first.. of `tokens` fetched from the tiers until one misses, copied into device
         blocks and inserted in the tree (which holds them); returns their nodes.
 
-        make_room(n): True once n device blocks can be allocated. The caller locks the nodes
-        before `first`, so making room never evicts the prefix this continues.
+        make_room(n): how many device blocks, up to n, can be allocated once it has evicted what
+        it may. The caller locks the nodes before `first`, so making room never evicts the prefix
+        this continues. A tenant at its prefix quota gets no more than its headroom.
         """
-        if not self.tiers or first >= usable_blocks:
+        headroom = self.tree.quota(namespace.tenant) - self.tree.usage[namespace.tenant]
+        wanted = min(usable_blocks - first, headroom)
+        if not self.tiers or wanted <= 0:
             return []
         keys = chain_keys(tokens[: usable_blocks * self.block_size], self.block_size, namespace)
         found = []
-        for index in range(first, usable_blocks):
+        for index in range(first, first + int(wanted)):
             fetched = self.fetch(keys[index])
             if fetched is None:
                 break
             found.append(fetched)
-        if not found or not make_room(len(found)):
+        found = found[: make_room(len(found))] if found else []
+        if not found:
             return []
-        blocks = self.pool.allocate(len(found))
         device = self.storage.keys[0].device
         data = torch.stack([block for _, block in found]).to(device)  # [n, layers, 2, block_size, heads, dim]
+        blocks = self.pool.allocate(len(found))  # after the copy: nothing below can fail halfway
         slots = (torch.tensor(blocks, device=device)[:, None] * self.block_size).add(
             torch.arange(self.block_size, device=device)
         )
@@ -119,11 +123,29 @@ class PrefixTiers:
         for tier in self.tiers:
             corrupt_before, errors_before = tier.stats.corrupt, tier.stats.errors
             data = tier.get(key)
-            if data is not None:
+            if data is not None and self._fits(data):
                 return tier.name, data
+            if data is not None:  # another geometry under this key (a checkpoint swapped in place)
+                tier.stats.corrupt += 1
+                tier.delete(key)
             if tier.stats.corrupt > corrupt_before or tier.stats.errors > errors_before:
                 self.stats.recomputed_blocks += 1
         return None
+
+    def _fits(self, data: torch.Tensor) -> bool:
+        keys = self.storage.keys
+        return data.dtype == keys[0].dtype and tuple(data.shape) == (len(keys), 2, *keys[0].shape[1:])
+
+    def _put(self, tier: Tier, key: bytes, data: torch.Tensor) -> bool:
+        """A tier that raises (out of pinned memory, a bug) refuses the block instead of failing
+        the engine step that evicted it."""
+        try:
+            return tier.put(key, data)
+        except Exception as error:  # any failure is a refused write here
+            tier.stats.errors += 1
+            tier.stats.refused_puts += 1
+            tier.last_error = f"{type(error).__name__}: {error}"
+            return False
 
     def block_tensor(self, block: int) -> torch.Tensor:
         """[num_layers, 2, block_size, num_kv_heads, head_dim] copy of a device block."""

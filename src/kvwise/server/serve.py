@@ -77,8 +77,12 @@ def build_app(args):
 def prefix_tiers(args) -> list:
     """The tiers under the prefix cache, fastest first: host RAM, disk, Redis (each optional)."""
     tiers = []
-    if args.host_cache_gb < 0 or (args.disk_cache_gb is not None and args.disk_cache_gb <= 0):
+    if not args.host_cache_gb >= 0 or (args.disk_cache_gb is not None and not args.disk_cache_gb > 0):  # NaN too
         raise ValueError("--host-cache-gb must be >= 0 and --disk-cache-gb > 0")
+    if args.disk_cache_gb is not None and not args.disk_cache:
+        raise ValueError("--disk-cache-gb bounds --disk-cache DIR: give the directory too")
+    if (args.host_cache_gb or args.disk_cache or args.redis_url) and args.no_prefix_caching:
+        raise ValueError("--host-cache-gb, --disk-cache and --redis-url hold prefix blocks: drop --no-prefix-caching")
     if args.host_cache_gb:
         from kvwise.tiers.host import HostTier
 
@@ -92,10 +96,6 @@ def prefix_tiers(args) -> list:
         from kvwise.tiers.redis_tier import RedisTier
 
         tiers.append(RedisTier(args.redis_url))
-    if tiers and args.no_prefix_caching:
-        raise ValueError(
-            "--host-cache-gb, --disk-cache and --redis-url hold prefix-cache blocks: drop --no-prefix-caching"
-        )
     return tiers
 
 

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import time
 
 import torch
 
@@ -42,6 +43,7 @@ class RedisTier(Tier):
         cluster: bool = False,
         prefix: str = "kvwise:block:",
         timeout_seconds: float = 0.5,
+        retry_seconds: float = 5.0,
     ):
         super().__init__()
         hmac_key = hmac_key if hmac_key is not None else os.environ.get(HMAC_ENVIRONMENT)
@@ -52,6 +54,9 @@ class RedisTier(Tier):
         self._hmac_key = hmac_key.encode() if isinstance(hmac_key, str) else bytes(hmac_key)
         self.ttl_seconds, self.prefix = ttl_seconds, prefix
         self.last_error: str | None = None
+        # after a failure, calls fail fast for retry_seconds: the engine spills on its own thread
+        # at every eviction, and must not wait out a timeout per block while Redis is down
+        self.retry_seconds, self._down_until = retry_seconds, 0.0
         import redis
 
         self._errors = (redis.RedisError, OSError)
@@ -72,8 +77,19 @@ class RedisTier(Tier):
     def _failed(self, error: Exception) -> None:
         self.stats.errors += 1
         self.last_error = f"{type(error).__name__}: {error}"
+        self._down_until = time.monotonic() + self.retry_seconds
+
+    def _resting(self) -> bool:
+        """True (and counted as an error) while a recent failure says Redis is down."""
+        if time.monotonic() < self._down_until:
+            self.stats.errors += 1
+            return True
+        return False
 
     def put(self, key: bytes, block: torch.Tensor) -> bool:
+        if self._resting():
+            self.stats.refused_puts += 1
+            return False
         name = self._name(key)
         payload = encode_block(key, block)
         try:
@@ -87,6 +103,8 @@ class RedisTier(Tier):
 
     def get(self, key: bytes) -> torch.Tensor | None:
         self.stats.gets += 1
+        if self._resting():
+            return None
         name = self._name(key)
         try:
             value = self.client.get(name)
@@ -108,6 +126,8 @@ class RedisTier(Tier):
         return block
 
     def exists(self, key: bytes) -> bool:
+        if self._resting():
+            return False
         try:
             return bool(self.client.exists(self._name(key)))
         except self._errors as error:
@@ -115,6 +135,8 @@ class RedisTier(Tier):
             return False
 
     def delete(self, key: bytes) -> None:
+        if self._resting():
+            return
         try:
             self.client.delete(self._name(key))
             self.stats.deletes += 1

@@ -33,11 +33,34 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
-  const __m512 scale = _mm512_set1_ps(alpha);
+// y[0:n] += w[0] v[0] + ... + w[count-1] v[count-1]: y stays in registers across the rows, so it
+// is loaded and stored once per call, not once per row; four accumulators are four independent
+// FMA chains.
+inline void weighted_sum(const float* w, const float* const* v, int64_t count, float* y, int64_t n) {
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) _mm512_storeu_ps(y + i, _mm512_fmadd_ps(scale, _mm512_loadu_ps(x + i), _mm512_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += alpha * x[i];
+  for (; i + 64 <= n; i += 64) {
+    __m512 a0 = _mm512_loadu_ps(y + i), a1 = _mm512_loadu_ps(y + i + 16), a2 = _mm512_loadu_ps(y + i + 32),
+           a3 = _mm512_loadu_ps(y + i + 48);
+    for (int64_t j = 0; j < count; ++j) {
+      const __m512 s = _mm512_set1_ps(w[j]);
+      const float* x = v[j] + i;
+      a0 = _mm512_fmadd_ps(s, _mm512_loadu_ps(x), a0);
+      a1 = _mm512_fmadd_ps(s, _mm512_loadu_ps(x + 16), a1);
+      a2 = _mm512_fmadd_ps(s, _mm512_loadu_ps(x + 32), a2);
+      a3 = _mm512_fmadd_ps(s, _mm512_loadu_ps(x + 48), a3);
+    }
+    _mm512_storeu_ps(y + i, a0);
+    _mm512_storeu_ps(y + i + 16, a1);
+    _mm512_storeu_ps(y + i + 32, a2);
+    _mm512_storeu_ps(y + i + 48, a3);
+  }
+  for (; i + 16 <= n; i += 16) {
+    __m512 a = _mm512_loadu_ps(y + i);
+    for (int64_t j = 0; j < count; ++j) a = _mm512_fmadd_ps(_mm512_set1_ps(w[j]), _mm512_loadu_ps(v[j] + i), a);
+    _mm512_storeu_ps(y + i, a);
+  }
+  for (; i < n; ++i)
+    for (int64_t j = 0; j < count; ++j) y[i] += w[j] * v[j][i];
 }
 // s[i] = exp(s[i] - peak) for i < n; returns their sum. Cephes' expf polynomial on
 // [-ln2/2, ln2/2] times 2^k: within 2 ulp of std::exp, which costs 10x more per score.
@@ -90,18 +113,6 @@ inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
   for (; i < n; ++i)
     for (int j = 0; j < 4; ++j) out[j] += q[i] * k[j][i];
 }
-// y += w[0] v[0] + ... + w[3] v[3]: one load and store of y for four rows.
-inline void axpy4(const float* w, const float* const* v, float* y, int64_t n) {
-  const __m512 w0 = _mm512_set1_ps(w[0]), w1 = _mm512_set1_ps(w[1]), w2 = _mm512_set1_ps(w[2]), w3 = _mm512_set1_ps(w[3]);
-  int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    __m512 acc = _mm512_fmadd_ps(w0, _mm512_loadu_ps(v[0] + i), _mm512_loadu_ps(y + i));
-    acc = _mm512_fmadd_ps(w1, _mm512_loadu_ps(v[1] + i), acc);
-    acc = _mm512_fmadd_ps(w2, _mm512_loadu_ps(v[2] + i), acc);
-    _mm512_storeu_ps(y + i, _mm512_fmadd_ps(w3, _mm512_loadu_ps(v[3] + i), acc));
-  }
-  for (; i < n; ++i) y[i] += w[0] * v[0][i] + w[1] * v[1][i] + w[2] * v[2][i] + w[3] * v[3][i];
-}
 #elif defined(__AVX2__) && defined(__FMA__)
 inline float dot(const float* a, const float* b, int64_t n) {
   __m256 low = _mm256_setzero_ps(), high = _mm256_setzero_ps();
@@ -120,11 +131,25 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
-  const __m256 scale = _mm256_set1_ps(alpha);
-  int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_fmadd_ps(scale, _mm256_loadu_ps(x + i), _mm256_loadu_ps(y + i)));
-  for (; i < n; ++i) y[i] += alpha * x[i];
+inline void weighted_sum(const float* w, const float* const* v, int64_t count, float* y, int64_t n) {
+  int64_t i = 0;  // as the AVX-512 version; eight accumulators, as FMA latency is 4-5 cycles
+  for (; i + 64 <= n; i += 64) {
+    __m256 a[8];
+    for (int r = 0; r < 8; ++r) a[r] = _mm256_loadu_ps(y + i + 8 * r);
+    for (int64_t j = 0; j < count; ++j) {
+      const __m256 s = _mm256_set1_ps(w[j]);
+      const float* x = v[j] + i;
+      for (int r = 0; r < 8; ++r) a[r] = _mm256_fmadd_ps(s, _mm256_loadu_ps(x + 8 * r), a[r]);
+    }
+    for (int r = 0; r < 8; ++r) _mm256_storeu_ps(y + i + 8 * r, a[r]);
+  }
+  for (; i + 8 <= n; i += 8) {
+    __m256 a = _mm256_loadu_ps(y + i);
+    for (int64_t j = 0; j < count; ++j) a = _mm256_fmadd_ps(_mm256_set1_ps(w[j]), _mm256_loadu_ps(v[j] + i), a);
+    _mm256_storeu_ps(y + i, a);
+  }
+  for (; i < n; ++i)
+    for (int64_t j = 0; j < count; ++j) y[i] += w[j] * v[j][i];
 }
 inline float exp_shifted(float* s, int64_t n, float peak) {  // as the AVX-512 version
   const __m256 log2e = _mm256_set1_ps(1.44269504088896341f), ln2_high = _mm256_set1_ps(0.693359375f),
@@ -154,6 +179,24 @@ inline float exp_shifted(float* s, int64_t n, float peak) {  // as the AVX-512 v
   for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - peak));
   return sum;
 }
+// As the AVX-512 dot4: three horizontal adds turn four accumulators into [s0 s1 s2 s3] per
+// 128-bit lane, where four separate reductions would cost three times the shuffles.
+inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps(), a2 = _mm256_setzero_ps(), a3 = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 query = _mm256_loadu_ps(q + i);
+    a0 = _mm256_fmadd_ps(query, _mm256_loadu_ps(k[0] + i), a0);
+    a1 = _mm256_fmadd_ps(query, _mm256_loadu_ps(k[1] + i), a1);
+    a2 = _mm256_fmadd_ps(query, _mm256_loadu_ps(k[2] + i), a2);
+    a3 = _mm256_fmadd_ps(query, _mm256_loadu_ps(k[3] + i), a3);
+  }
+  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1)));
+  for (; i < n; ++i)
+    for (int j = 0; j < 4; ++j) out[j] += q[i] * k[j][i];
+}
+
 #else
 inline float dot(const float* a, const float* b, int64_t n) {
   float sum = 0.f;
@@ -161,8 +204,9 @@ inline float dot(const float* a, const float* b, int64_t n) {
   return sum;
 }
 
-inline void axpy(float alpha, const float* x, float* y, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) y[i] += alpha * x[i];
+inline void weighted_sum(const float* w, const float* const* v, int64_t count, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i)
+    for (int64_t j = 0; j < count; ++j) y[i] += w[j] * v[j][i];
 }
 inline float exp_shifted(float* s, int64_t n, float peak) {
   float sum = 0.f;
@@ -171,15 +215,14 @@ inline float exp_shifted(float* s, int64_t n, float peak) {
 }
 #endif
 
-#if !defined(__AVX512F__)
+#if !defined(__AVX512F__) && !(defined(__AVX2__) && defined(__FMA__))
 inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
   for (int j = 0; j < 4; ++j) out[j] = dot(q, k[j], n);
 }
-
-inline void axpy4(const float* w, const float* const* v, float* y, int64_t n) {
-  for (int j = 0; j < 4; ++j) axpy(w[j], v[j], y, n);
-}
 #endif
+
+// value rows summed per weighted_sum call: enough to amortise the output's load and store
+constexpr int64_t ROWS = 16;
 
 }  // namespace
 
@@ -268,10 +311,10 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tenso
         for (int64_t h = 0; h < heads_per_task; ++h)
           scores[h * n + (t - first)] = dot(q + h * dim, k + (head0 + h) / group * dim, dim);
       }
-      for (int64_t i = 0; i < heads_per_task * n; ++i) {
-        scores[i] *= scale_f;
-        if (cap > 0.f) scores[i] = std::tanh(scores[i] / cap) * cap;
-      }
+      // two loops, so the common one (no cap) vectorises
+      for (int64_t i = 0; i < heads_per_task * n; ++i) scores[i] *= scale_f;
+      if (cap > 0.f)
+        for (int64_t i = 0; i < heads_per_task * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
       float* out = out_all + (b * heads + head0) * dim;
       std::fill(out, out + heads_per_task * dim, 0.f);
       std::vector<float> totals(heads_per_task);
@@ -280,18 +323,16 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tenso
         totals[h] = exp_shifted(s, n, *std::max_element(s, s + n));
       }
       auto value_row = [&](int64_t t) { return v_pool + (table[t / block_size] * block_size + t % block_size) * row; };
-      for (t = first; t + 4 <= length; t += 4) {  // four rows per pass over the output
-        const float* rows[4] = {value_row(t), value_row(t + 1), value_row(t + 2), value_row(t + 3)};
+      for (t = first; t < length; t += ROWS) {  // ROWS rows per pass: the output stays in registers
+        const int64_t count = std::min<int64_t>(ROWS, length - t);
+        const float* rows[ROWS];
+        for (int64_t j = 0; j < count; ++j) rows[j] = value_row(t + j);
         for (int64_t h = 0; h < heads_per_task; ++h) {
           const int64_t offset = (head0 + h) / group * dim;
-          const float* v[4] = {rows[0] + offset, rows[1] + offset, rows[2] + offset, rows[3] + offset};
-          axpy4(scores.data() + h * n + (t - first), v, out + h * dim, dim);
+          const float* v[ROWS];
+          for (int64_t j = 0; j < count; ++j) v[j] = rows[j] + offset;
+          weighted_sum(scores.data() + h * n + (t - first), v, count, out + h * dim, dim);
         }
-      }
-      for (; t < length; ++t) {
-        const float* v = value_row(t);
-        for (int64_t h = 0; h < heads_per_task; ++h)
-          axpy(scores[h * n + (t - first)], v + (head0 + h) / group * dim, out + h * dim, dim);
       }
       for (int64_t h = 0; h < heads_per_task; ++h) {
         const float inverse = 1.f / totals[h];

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import platform
 
 import pytest
 import torch
@@ -38,11 +39,16 @@ def test_builds_where_ci_runs():
     assert kernel is not None, "the CPU decode kernel did not build; see $KVWISE_HOME/kernels/*/FAILED"
 
 
-@pytest.fixture(scope="module", params=["native", "avx2"])
+@pytest.fixture(scope="module", params=["native", "avx2", "portable"])
 def variant(request):
-    """The kernel as built for this CPU, and built without AVX-512 (the AVX2 code path)."""
+    """The kernel as built for this CPU, built without AVX-512 (the AVX2 code path), and built
+    for baseline x86-64 (the plain C++ loops that CPUs without AVX2, such as ARM, compile)."""
     if request.param == "native":
         return kernel
+    if request.param == "portable":
+        if platform.machine() not in ("x86_64", "AMD64"):
+            pytest.skip("the portable build's -march=x86-64 is for x86 machines")
+        return cpu_kernel.build_kernel([*cpu_kernel.FLAGS, "-march=x86-64", "-mtune=generic"])
     if "avx512f" not in cpu_kernel._cpu_flags().split():
         pytest.skip("this CPU has no AVX-512: the native build is the AVX2 one")
     return cpu_kernel.build_kernel([*cpu_kernel.FLAGS, "-mno-avx512f"])

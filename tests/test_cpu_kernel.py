@@ -48,10 +48,10 @@ def variant(request):
     if request.param == "portable":
         if platform.machine() not in ("x86_64", "AMD64"):
             pytest.skip("the portable build's -march=x86-64 is for x86 machines")
-        return cpu_kernel.build_kernel([*cpu_kernel.FLAGS, "-march=x86-64", "-mtune=generic"])
+        return cpu_kernel.build_kernel([*cpu_kernel.FLAGS, "-march=x86-64", "-mtune=generic"]).paged_decode
     if "avx512f" not in cpu_kernel._cpu_flags().split():
         pytest.skip("this CPU has no AVX-512: the native build is the AVX2 one")
-    return cpu_kernel.build_kernel([*cpu_kernel.FLAGS, "-mno-avx512f"])
+    return cpu_kernel.build_kernel([*cpu_kernel.FLAGS, "-mno-avx512f"]).paged_decode
 
 
 @pytest.fixture(params=[1, 4], ids=["per-sequence-tasks", "per-kv-head-tasks"])

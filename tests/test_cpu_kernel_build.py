@@ -11,9 +11,9 @@ from kvwise.engine import cpu_kernel
 def fresh(tmp_path, monkeypatch):
     monkeypatch.setenv("KVWISE_HOME", str(tmp_path))
     monkeypatch.setattr(cpu_kernel, "_has_vector_units", lambda: True)
-    cpu_kernel.paged_decode_kernel.cache_clear()
+    cpu_kernel.cpu_kernels.cache_clear()
     yield tmp_path
-    cpu_kernel.paged_decode_kernel.cache_clear()
+    cpu_kernel.cpu_kernels.cache_clear()
 
 
 def test_a_failed_build_falls_back_and_is_not_retried(fresh, monkeypatch):
@@ -28,7 +28,7 @@ def test_a_failed_build_falls_back_and_is_not_retried(fresh, monkeypatch):
         assert cpu_kernel.paged_decode_kernel() is None
     (failed,) = fresh.glob("kernels/*/FAILED")
     assert "command not found" in failed.read_text()
-    cpu_kernel.paged_decode_kernel.cache_clear()  # a new process
+    cpu_kernel.cpu_kernels.cache_clear()  # a new process
     with pytest.warns(UserWarning, match="failed to build before"):
         assert cpu_kernel.paged_decode_kernel() is None
     assert len(calls) == 1

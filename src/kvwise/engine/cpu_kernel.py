@@ -1,10 +1,12 @@
-"""The CPU decode-attention kernel (kernels/paged_decode.cpp), compiled once per machine.
+"""kvwise's CPU kernels (kernels/*.cpp), compiled once per machine into one module: decode
+attention over the paged pool (paged_decode.cpp) and projections of a few rows (small_linear.cpp).
 
 The build lands in `$KVWISE_HOME/kernels/<hash>`. The hash covers everything the binary depends
-on: the source, the flags, the CPU's instruction sets (`-march=native` code must not run on
+on: the sources, the flags, the CPU's instruction sets (`-march=native` code must not run on
 another CPU), torch's version and C++ ABI, the Python ABI and the compiler. Only x86 CPUs with
-AVX2 and FMA use it (elsewhere its inner loops would be scalar and lose to SDPA). Without a
-compiler, or with KVWISE_CPU_KERNEL=0, the runner uses SDPA; a failed build is remembered
+AVX2 and FMA use it (elsewhere its inner loops would be scalar and lose to SDPA and BLAS).
+Without a compiler, or with KVWISE_CPU_KERNEL=0, the runner uses SDPA and torch's linear; a
+failed build is remembered
 (`FAILED` in the build directory, with the compiler's message) so later processes do not retry.
 """
 
@@ -22,36 +24,46 @@ from pathlib import Path
 
 from kvwise.models import kvwise_home
 
-SOURCE = Path(__file__).parent / "kernels" / "paged_decode.cpp"
+SOURCES = sorted((Path(__file__).parent / "kernels").glob("*.cpp"))
 FLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for is serial without it
 
 
-@functools.cache
 def paged_decode_kernel():
     """`paged_decode(query, keys, values, tables, lengths, scale, softcap, window)`, or None."""
+    return getattr(cpu_kernels(), "paged_decode", None)
+
+
+def small_linear_kernel():
+    """`small_linear(x [M, K], weight [N, K], bias [N] | None) -> [M, N]`, or None."""
+    return getattr(cpu_kernels(), "small_linear", None)
+
+
+@functools.cache
+def cpu_kernels():
+    """The compiled module, or None where it cannot or should not be built."""
     if os.environ.get("KVWISE_CPU_KERNEL", "1") == "0" or not _has_vector_units():
         return None
     build = kvwise_home() / "kernels" / _digest(FLAGS)
     failed = build / "FAILED"
     if failed.exists():
-        warnings.warn(f"kvwise: using SDPA; the CPU decode kernel failed to build before (see {failed})", stacklevel=2)
+        warnings.warn(f"kvwise: using SDPA; the CPU kernels failed to build before (see {failed})", stacklevel=2)
         return None
     try:
         return build_kernel(FLAGS, build)
     except Exception as error:  # no compiler, no headers, no ninja: SDPA still works
         with contextlib.suppress(OSError):  # an unwritable $KVWISE_HOME: just retry next time
             failed.write_text(f"{error}\n\nDelete this file to try again.\n")
-        warnings.warn(f"kvwise: the CPU decode kernel could not be built, using SDPA ({failed})", stacklevel=2)
+        warnings.warn(f"kvwise: the CPU kernels could not be built, using SDPA ({failed})", stacklevel=2)
         return None
 
 
 def build_kernel(flags: list[str], build: Path | None = None):
-    """Compile (or load the compiled) kernel with `flags` (tests build an AVX2-only variant);
-    raises if the compiler fails."""
+    """Compile (or load the compiled) kernels' module with `flags` (tests build AVX2-only and
+    portable variants); raises if the compiler fails."""
     build = build or kvwise_home() / "kernels" / _digest(flags)
     build.mkdir(parents=True, exist_ok=True)
     with _exclusive(build / "kvwise.lock"):
-        return _load(build, flags).paged_decode
+        return _load(build, flags)
 
 
 def _load(build: Path, flags: list[str]):
@@ -64,9 +76,13 @@ def _load(build: Path, flags: list[str]):
     (build / "lock").unlink(missing_ok=True)
     name = f"kvwise_paged_decode_{build.name}"
     if not (build / f"{name}.so").exists():
-        print("kvwise: compiling the CPU decode-attention kernel (once per machine, ~30 s)", file=sys.stderr)
+        print("kvwise: compiling the CPU kernels (once per machine, ~60 s)", file=sys.stderr)
     return cpp_extension.load(
-        name, [str(SOURCE)], extra_cflags=flags, extra_ldflags=["-fopenmp"], build_directory=str(build)
+        name,
+        [str(source) for source in SOURCES],
+        extra_cflags=flags,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(build),
     )
 
 
@@ -87,7 +103,7 @@ def _digest(flags: list[str]) -> str:
     import torch
 
     parts = [
-        SOURCE.read_bytes(),
+        *(source.read_bytes() for source in SOURCES),
         " ".join(flags).encode(),
         _cpu_flags().encode(),
         torch.__version__.encode(),

@@ -6,18 +6,22 @@ function registered as `kvwise_paged` writes each layer's new keys and values in
 blocks, then lets each chunk attend over its whole sequence read back through its block table.
 Decode tokens: on CPU in float32, one call of the compiled kernel (kernels/paged_decode.cpp) for
 all of them, reading blocks in place; elsewhere one padded SDPA call per bucket of similar
-lengths. Prefill chunks: one SDPA call each, GQA without repeat_kv. No model is rewritten.
+lengths. Prefill chunks: one SDPA call each, GQA without repeat_kv. On CPU in float32, the
+linear layers' inputs of a few rows (decode steps, the LM head) go through the compiled
+small_linear kernel while the forward runs (cpu_linear.py). No model is rewritten.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
 from kvwise.engine.compaction import Compaction
-from kvwise.engine.cpu_kernel import paged_decode_kernel
+from kvwise.engine.cpu_kernel import paged_decode_kernel, small_linear_kernel
+from kvwise.engine.cpu_linear import SmallRowLinears
 from kvwise.engine.quant_pool import QuantPool, quantized_id
 from kvwise.engine.scheduler import Chunk
 from kvwise.kv.paged import PagedKVStorage
@@ -204,6 +208,8 @@ class ModelRunner:
         # blocks in place and measured 4x faster than gather + padded SDPA for a decode batch
         on_cpu = storage.keys[0].device.type == "cpu" and storage.keys[0].dtype == torch.float32
         self.decode_kernel = paged_decode_kernel() if on_cpu and cpu_kernel else None
+        linear = small_linear_kernel() if on_cpu and cpu_kernel else None
+        self.small_row_linears = SmallRowLinears(model, linear) if linear is not None else None
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk], compact: dict[int, int] | None = None) -> torch.Tensor:
@@ -232,7 +238,8 @@ class ModelRunner:
         try:
             # logits only after each chunk's last token: the LM head over every prompt token would
             # cost a fifth of a prefill for a small-vocabulary-heavy model like SmolLM2
-            logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=last).logits
+            with self.small_row_linears.active() if self.small_row_linears else contextlib.nullcontext():
+                logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=last).logits
         finally:
             _current = None
         row = {id(chunk): index for index, chunk in enumerate(ordered)}

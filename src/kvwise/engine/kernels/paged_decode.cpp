@@ -342,9 +342,3 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tenso
   });
   return output;
 }
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  // the GIL is released: the server's event loop keeps streaming while the engine thread is here
-  m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool (CPU, float32)",
-        py::call_guard<py::gil_scoped_release>());
-}

@@ -1,0 +1,92 @@
+// y = x @ weight^T (+ bias) for a few rows of x on CPU, float32: a decode step's projections.
+// At 1-32 rows a BLAS sgemm spends most of its time packing the weight, which is read from
+// memory once anyway; here each weight row is streamed once and dotted with every x row.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t TILE_ROWS = 3;     // rows of x per tile
+constexpr int64_t TILE_OUTPUTS = 4;  // weight rows (outputs) per tile: 3 x 4 accumulators fit the registers
+
+// y[r, n] for rows m .. m+rows-1 and outputs n0 .. n0+outputs-1, accumulated over k in plain C++
+void tile_plain(const float* x, const float* w, float* y, int64_t m, int64_t rows, int64_t n0, int64_t outputs,
+                int64_t K, int64_t N) {
+  for (int64_t r = m; r < m + rows; ++r)
+    for (int64_t n = n0; n < n0 + outputs; ++n) {
+      float sum = 0.f;
+      for (int64_t k = 0; k < K; ++k) sum += x[r * K + k] * w[n * K + k];
+      y[r * N + n] = sum;
+    }
+}
+
+#if defined(__AVX2__) && defined(__FMA__)
+// [s0 s1 s2 s3] = the horizontal sums of four accumulators
+inline __m128 sum4(__m256 a0, __m256 a1, __m256 a2, __m256 a3) {
+  const __m256 sums = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+  return _mm_add_ps(_mm256_castps256_ps128(sums), _mm256_extractf128_ps(sums, 1));
+}
+
+// ROWS rows of x against four weight rows: ROWS x 4 accumulators, each weight load feeding ROWS FMAs
+template <int ROWS>
+void tile(const float* x, const float* w, float* y, int64_t m, int64_t n0, int64_t K, int64_t N) {
+  const float* weight[4] = {w + n0 * K, w + (n0 + 1) * K, w + (n0 + 2) * K, w + (n0 + 3) * K};
+  __m256 acc[ROWS][4];
+  for (int r = 0; r < ROWS; ++r)
+    for (int j = 0; j < 4; ++j) acc[r][j] = _mm256_setzero_ps();
+  int64_t k = 0;
+  for (; k + 8 <= K; k += 8) {
+    const __m256 w0 = _mm256_loadu_ps(weight[0] + k), w1 = _mm256_loadu_ps(weight[1] + k),
+                 w2 = _mm256_loadu_ps(weight[2] + k), w3 = _mm256_loadu_ps(weight[3] + k);
+    for (int r = 0; r < ROWS; ++r) {
+      const __m256 xv = _mm256_loadu_ps(x + (m + r) * K + k);
+      acc[r][0] = _mm256_fmadd_ps(xv, w0, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xv, w1, acc[r][1]);
+      acc[r][2] = _mm256_fmadd_ps(xv, w2, acc[r][2]);
+      acc[r][3] = _mm256_fmadd_ps(xv, w3, acc[r][3]);
+    }
+  }
+  for (int r = 0; r < ROWS; ++r) {
+    float* out = y + (m + r) * N + n0;
+    _mm_storeu_ps(out, sum4(acc[r][0], acc[r][1], acc[r][2], acc[r][3]));
+    for (int64_t tail = k; tail < K; ++tail)
+      for (int j = 0; j < 4; ++j) out[j] += x[(m + r) * K + tail] * weight[j][tail];
+  }
+}
+#endif
+
+}  // namespace
+
+// x: [M, K] float32, weight: [N, K] float32 (nn.Linear's layout), bias: [N] or None -> [M, N]
+torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias) {
+  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && x.size(1) == weight.size(1), "small_linear: bad shapes");
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu(), "small_linear: CPU tensors only");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat && weight.scalar_type() == torch::kFloat, "small_linear: float32 only");
+  x = x.contiguous();
+  weight = weight.contiguous();
+  const int64_t M = x.size(0), K = x.size(1), N = weight.size(0);
+  auto y = torch::empty({M, N}, x.options());
+  const float* xs = x.data_ptr<float>();
+  const float* ws = weight.data_ptr<float>();
+  float* ys = y.data_ptr<float>();
+  // threads split the outputs, so each reads its own share of the weight once
+  at::parallel_for(0, (N + TILE_OUTPUTS - 1) / TILE_OUTPUTS, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t block = begin; block < end; ++block) {
+      const int64_t n0 = block * TILE_OUTPUTS, outputs = std::min(TILE_OUTPUTS, N - n0);
+#if defined(__AVX2__) && defined(__FMA__)
+      if (outputs == TILE_OUTPUTS) {
+        int64_t m = 0;
+        for (; m + TILE_ROWS <= M; m += TILE_ROWS) tile<TILE_ROWS>(xs, ws, ys, m, n0, K, N);
+        for (; m < M; ++m) tile<1>(xs, ws, ys, m, n0, K, N);
+        continue;
+      }
+#endif
+      tile_plain(xs, ws, ys, 0, M, n0, outputs, K, N);
+    }
+  });
+  if (bias.has_value() && bias->defined()) y.add_(bias->to(y.dtype()));
+  return y;
+}

@@ -1,0 +1,81 @@
+"""The small_linear kernel against torch's linear, and SmallRowLinears leaving the model as it was."""
+
+from __future__ import annotations
+
+import os
+import platform
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kvwise.engine import cpu_kernel
+from kvwise.engine.cpu_linear import MAX_ROWS, SmallRowLinears
+
+kernel = cpu_kernel.small_linear_kernel()
+needs_kernel = pytest.mark.skipif(
+    kernel is None and not os.environ.get("CI"), reason="no C++ compiler: the engine uses torch's linear here"
+)
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def variant(request):
+    if request.param == "native":
+        return kernel
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("the portable build's -march=x86-64 is for x86 machines")
+    return cpu_kernel.build_kernel([*cpu_kernel.FLAGS, "-march=x86-64", "-mtune=generic"]).small_linear
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 32])
+@pytest.mark.parametrize(("features", "outputs"), [(64, 96), (75, 10), (576, 1538), (8, 3)])
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_matches_torch_linear(variant, rows, features, outputs, with_bias):
+    torch.manual_seed(rows * features + outputs)
+    x, weight = torch.randn(rows, features), torch.randn(outputs, features)
+    bias = torch.randn(outputs) if with_bias else None
+    torch.testing.assert_close(variant(x, weight, bias), F.linear(x, weight, bias), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_refuses_what_it_cannot_compute():
+    with pytest.raises(RuntimeError, match="float32 only"):
+        kernel(torch.ones(2, 4, dtype=torch.float64), torch.ones(3, 4, dtype=torch.float64), None)
+    with pytest.raises(RuntimeError, match="bad shapes"):
+        kernel(torch.ones(2, 4), torch.ones(3, 5), None)
+
+
+class Recorder:
+    """Stands in for the kernel: counts calls and answers as torch would."""
+
+    def __init__(self):
+        self.rows = []
+
+    def __call__(self, x, weight, bias):
+        self.rows.append(x.shape[0])
+        return F.linear(x, weight, bias)
+
+
+def test_few_rows_take_the_kernel_and_the_model_is_restored():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4, bias=False))
+    recorder = Recorder()
+    linears = SmallRowLinears(model, recorder)
+    few, many = torch.randn(1, MAX_ROWS, 8), torch.randn(1, MAX_ROWS + 1, 8)
+    expected = model(few)
+    with linears.active():
+        torch.testing.assert_close(model(few), expected)
+        model(many)
+    assert recorder.rows == [MAX_ROWS, MAX_ROWS]  # both layers for `few`, neither for `many`
+    assert all("forward" not in vars(layer) for layer in model)
+
+
+def test_restored_after_an_error_and_wrapped_layers_are_left_alone():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    hooked = model[1].forward
+    model[1].forward = hooked  # as accelerate's offloading hooks install themselves
+    linears = SmallRowLinears(model, Recorder())
+    assert linears.layers == [model[0]]
+    with pytest.raises(RuntimeError), linears.active():
+        model(torch.randn(2, 5))  # wrong width: the first layer fails
+    assert "forward" not in vars(model[0]) and vars(model[1])["forward"] is hooked

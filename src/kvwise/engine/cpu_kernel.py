@@ -6,8 +6,8 @@ on: the sources, the flags, the CPU's instruction sets (`-march=native` code mus
 another CPU), torch's version and C++ ABI, the Python ABI and the compiler. Only x86 CPUs with
 AVX2 and FMA use it (elsewhere its inner loops would be scalar and lose to SDPA and BLAS).
 Without a compiler, or with KVWISE_CPU_KERNEL=0, the runner uses SDPA and torch's linear; a
-failed build is remembered
-(`FAILED` in the build directory, with the compiler's message) so later processes do not retry.
+failed build is remembered (`FAILED` in the build directory, with the compiler's message) so
+later processes do not retry.
 """
 
 from __future__ import annotations
@@ -74,7 +74,7 @@ def _load(build: Path, flags: list[str]):
     # build wait for ever; under our flock (released by the OS when its holder dies) no one
     # else is building here, so a leftover one is stale
     (build / "lock").unlink(missing_ok=True)
-    name = f"kvwise_paged_decode_{build.name}"
+    name = f"kvwise_cpu_kernels_{build.name}"
     if not (build / f"{name}.so").exists():
         print("kvwise: compiling the CPU kernels (once per machine, ~60 s)", file=sys.stderr)
     return cpp_extension.load(

@@ -40,6 +40,37 @@ def test_decodes_first_then_chunked_prefill_within_the_budget():
     assert second.num_tokens <= 10
 
 
+def test_a_short_prefill_goes_before_a_long_one_already_running():
+    """Shortest remaining prefill first: a newcomer with 4 tokens to compute is not held behind
+    a running prompt that still needs more than the whole budget."""
+    _, _, scheduler = make(budget=10)
+    long = Request(list(range(100, 140)))
+    scheduler.add(long)
+    run_step(scheduler, scheduler.schedule())
+    short = Request(list(range(4)))
+    scheduler.add(short)
+    step = scheduler.schedule()
+    assert [(c.request, c.start, c.end) for c in step.prefills] == [(short, 0, 4), (long, 10, 16)]
+
+
+def test_a_long_prefill_passed_over_too_often_goes_first():
+    from kvwise.engine.scheduler import STARVATION_STEPS
+
+    _, _, scheduler = make(budget=8)
+    long = Request(list(range(100, 140)))
+    scheduler.add(long)
+    run_step(scheduler, scheduler.schedule())  # long computes 8 tokens, then short ones keep coming
+    skipped = 0
+    for index in range(STARVATION_STEPS + 1):
+        scheduler.add(Request(list(range(200 + 10 * index, 208 + 10 * index)), SamplingParams(max_tokens=1)))
+        step = scheduler.schedule()
+        if step.prefills[0].request is long:
+            break
+        skipped += 1
+        run_step(scheduler, step, max_tokens=1)
+    assert skipped == STARVATION_STEPS and long.computed == 8
+
+
 def test_cache_aware_order_then_fcfs_under_a_long_queue():
     _, tree, scheduler = make(budget=64, fcfs_queue_length=2)
     warm = Request(list(range(20)))

@@ -44,6 +44,7 @@ class Request:
     swapped: Any = None  # SwappedKV while preempted to host memory
     compacted_positions: Any = None  # [layers, kv_heads, n] original positions of the compacted private slots
     preemptions: int = 0
+    skipped_steps: int = 0  # steps in a row its prefill got no tokens (the scheduler's anti-starvation)
     index: int = 0  # which of the prompt's `n` completions this is
     choice: int = 0  # its position among an API call's choices (prompts x n)
     generator: Any = None  # a torch.Generator when the request has a seed

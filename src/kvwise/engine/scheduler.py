@@ -1,11 +1,14 @@
 """`Scheduler`: continuous batching over the block pool.
 
 Each step gets a token budget. Running requests that are decoding take one token each first;
-the rest of the budget goes to prefill chunks (chunked prefill mixed with decode steps): the
-running requests still prefilling, then waiting requests admitted in cache-aware order (longest
-cached prefix first; plain first-come-first-served once the queue is longer than
-`fcfs_queue_length`, so nobody starves under load). A request admitted reuses its cached
-prefix blocks from the radix tree (locked while it runs).
+the rest of the budget goes to prefill chunks (chunked prefill mixed with decode steps). Waiting
+requests are admitted in cache-aware order (longest cached prefix first; plain
+first-come-first-served once the queue is longer than `fcfs_queue_length`, so nobody starves
+under load), and reuse their cached prefix blocks from the radix tree (locked while they run).
+The budget then goes to the prefills shortest remaining first: a prompt that is mostly cached
+gets its first token in the next step instead of queueing behind a long uncached prompt, which
+minimises the mean time to first token (SRPT). A prefill passed over for `STARVATION_STEPS`
+steps in a row goes first, so a long prompt cannot be starved by a stream of short ones.
 
 Memory is checked before it is taken. When a step cannot get the blocks it needs, the prefix
 cache gives up unlocked blocks first; if that is not enough, the most recently admitted running
@@ -51,6 +54,7 @@ class Step:
 
 
 PLENTY_FREE_FRACTION = 0.25  # whole-request reservations stop when fewer blocks than this stay free
+STARVATION_STEPS = 8  # a prefill that got no tokens this many steps in a row is served first
 
 
 class Scheduler:
@@ -79,7 +83,7 @@ class Scheduler:
         self.tiers = tiers
         self.recomputed_blocks = 0  # device blocks dropped by recompute preemptions
         self.release_quantized = None  # callable(request, quantized ids), set by the engine
-        self.on_admit: list = []  # callables(request), after its cached prefix is matched (metrics)
+        self.on_admit: list = []  # callables(request), when it is admitted with its cached prefix matched (metrics)
 
     # ---- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -116,34 +120,63 @@ class Scheduler:
                 if self._reserve(request, request.computed + 1, step, may_preempt=True):
                     step.decodes.append(Chunk(request, request.computed, request.computed + 1))
                     budget -= 1
-        for request in [r for r in self.running if r.prefilling]:
+        # a step that had to preempt admits nobody: the victim would come straight back
+        admitted, budget = ([], budget) if step.preempted else self._admit_waiting(budget, step)
+        prefilling = [r for r in self.running if r.prefilling]
+        for request in self._prefill_order(prefilling):
             budget = self._schedule_prefill(request, budget, step)
+        scheduled = {id(chunk.request) for chunk in step.prefills}
+        for request in reversed(admitted):  # no budget or no memory for it yet: back to the front
+            if id(request) not in scheduled:
+                self._unadmit(request)
+        for request in admitted:
+            if id(request) in scheduled:
+                for listener in self.on_admit:
+                    listener(request)
         while not step.chunks and len(self.running) > 1:
             # every running request is stuck mid-prefill waiting for blocks the others hold:
             # give the newest one's back so the rest can move (without this nothing ever would)
             self._preempt(self.running[-1], step)
-            for request in [r for r in self.running if r.prefilling]:
+            for request in self._prefill_order([r for r in self.running if r.prefilling]):
                 budget = self._schedule_prefill(request, budget, step)
-        # a step that had to preempt admits nobody: the victim would come straight back
-        while budget > 0 and self.waiting and len(self.running) < self.max_running and not step.preempted:
+        scheduled = {id(chunk.request) for chunk in step.prefills}
+        for request in prefilling:
+            request.skipped_steps = 0 if id(request) in scheduled else request.skipped_steps + 1
+        return step
+
+    def _admit_waiting(self, budget: int, step: Step) -> tuple[list[Request], int]:
+        """Admit waiting requests while their uncached prompt tokens fit `budget`. Returns the newly
+        admitted and the budget left: requests swapped back in from host memory are running again
+        (not listed), and one that was decoding decodes in this step."""
+        admitted, wanted = [], 0
+        while wanted < budget and self.waiting and len(self.running) < self.max_running:
             request = self._next_waiting()
             if request.swapped is not None:  # preempted to host memory: copy back, continue
                 if not self._swap_in(request):
                     self.waiting.appendleft(request)
                     break
-                budget = self._schedule_prefill(request, budget, step)
+                if not request.prefilling and self._reserve(request, request.computed + 1, step):
+                    step.decodes.append(Chunk(request, request.computed, request.computed + 1))
+                    budget -= 1
                 continue
             self._admit(request)
-            before = budget
-            budget = self._schedule_prefill(request, budget, step)
-            if budget == before and request.prefilling:  # no memory for it yet: back to the front
-                self.running.remove(request)
-                self._release(request)
-                request.computed = request.reused = 0
-                request.status = Status.WAITING
-                self.waiting.appendleft(request)
-                break
-        return step
+            admitted.append(request)
+            wanted += request.prefill_target - request.computed
+        return admitted, budget
+
+    @staticmethod
+    def _prefill_order(requests: list[Request]) -> list[Request]:
+        """Starving prefills first, then shortest remaining first (ties: running order)."""
+        return sorted(
+            requests, key=lambda r: (r.skipped_steps < STARVATION_STEPS, r.prefill_target - r.computed)
+        )
+
+    def _unadmit(self, request: Request) -> None:
+        self.running.remove(request)
+        self._release(request)
+        request.computed = request.reused = 0
+        request.status = Status.WAITING
+        self.waiting.appendleft(request)
 
     def complete(self, chunk: Chunk, token: int | None) -> None:
         """Record a computed chunk; `token` is what was sampled after it (None mid-prompt)."""
@@ -193,8 +226,6 @@ class Scheduler:
             request.locked_nodes, request.blocks = match.nodes, match.blocks
             request.computed = request.reused = match.length
         self.running.append(request)
-        for listener in self.on_admit:
-            listener(request)
 
     def _promote(self, request: Request, namespace, match) -> bool:
         """Continue the prompt's device match in the tiers; True when blocks came back. Only free

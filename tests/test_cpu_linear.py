@@ -28,7 +28,7 @@ def variant(request):
 
 
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 32])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 7, 16, 17, 32, 33, 50, 64])  # 16-64: AVX-512 rows in lanes
 @pytest.mark.parametrize(("features", "outputs"), [(64, 96), (75, 10), (576, 1538), (8, 3)])
 @pytest.mark.parametrize("with_bias", [True, False])
 def test_matches_torch_linear(variant, rows, features, outputs, with_bias):

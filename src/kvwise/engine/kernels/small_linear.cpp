@@ -1,11 +1,18 @@
 // y = x @ weight^T (+ bias) for a few rows of x on CPU, float32: a decode step's projections.
-// At 1-32 rows a BLAS sgemm spends most of its time packing the weight, which is read from
-// memory once anyway; here each weight row is streamed once and dotted with every x row.
+// At 1-64 rows a BLAS sgemm spends most of its time packing the weight, which is read from
+// memory once anyway; here each weight row is streamed once and used for every x row.
+//
+// Two shapes of inner loop. With AVX-512 and at least 16 rows, x is transposed into a small
+// buffer and the rows are the vector lanes: each weight element is broadcast once and feeds one
+// FMA per 16 rows, with no horizontal sums at all (the 32 vector registers hold 24 accumulators).
+// Otherwise each output is a dot product over k, vectorised along k, four outputs per reduction.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
+
+#include <vector>
 
 namespace {
 
@@ -58,6 +65,55 @@ void tile(const float* x, const float* w, float* y, int64_t m, int64_t n0, int64
 }
 #endif
 
+#if defined(__AVX512F__)
+constexpr int64_t LANES = 16;  // rows per vector in the row-vectorised path
+
+// OUTPUTS weight rows against all rows of x, the rows in VECTORS vectors of 16:
+// x_t: [K, VECTORS * 16] (x transposed, zero-padded rows); writes y[r, n0 + j] for r < M.
+template <int VECTORS, int OUTPUTS>
+void rows_tile(const float* x_t, const float* w, float* y, int64_t n0, int64_t M, int64_t K, int64_t N) {
+  constexpr int64_t width = VECTORS * LANES;
+  const float* weight[OUTPUTS];
+  for (int j = 0; j < OUTPUTS; ++j) weight[j] = w + (n0 + j) * K;
+  __m512 acc[OUTPUTS][VECTORS];
+  for (int j = 0; j < OUTPUTS; ++j)
+    for (int v = 0; v < VECTORS; ++v) acc[j][v] = _mm512_setzero_ps();
+  for (int64_t k = 0; k < K; ++k) {
+    __m512 xv[VECTORS];
+    for (int v = 0; v < VECTORS; ++v) xv[v] = _mm512_loadu_ps(x_t + k * width + v * LANES);
+    for (int j = 0; j < OUTPUTS; ++j) {
+      const __m512 b = _mm512_set1_ps(weight[j][k]);
+      for (int v = 0; v < VECTORS; ++v) acc[j][v] = _mm512_fmadd_ps(b, xv[v], acc[j][v]);
+    }
+  }
+  alignas(64) float column[width];
+  for (int j = 0; j < OUTPUTS; ++j) {
+    for (int v = 0; v < VECTORS; ++v) _mm512_store_ps(column + v * LANES, acc[j][v]);
+    for (int64_t r = 0; r < M; ++r) y[r * N + n0 + j] = column[r];
+  }
+}
+
+// 24 accumulators whatever the rows: 12 outputs x 2 vectors (<= 32 rows), 8 x 3, 6 x 4
+template <int VECTORS>
+void rows_linear(const float* xs, const float* ws, float* ys, int64_t M, int64_t K, int64_t N) {
+  constexpr int OUTPUTS = VECTORS == 1 ? 12 : 24 / VECTORS;
+  constexpr int64_t width = VECTORS * LANES;
+  std::vector<float> x_t(K * width, 0.f);  // [K, width]: a few hundred KB, stays in L2
+  for (int64_t r = 0; r < M; ++r)
+    for (int64_t k = 0; k < K; ++k) x_t[k * width + r] = xs[r * K + k];
+  const int64_t tiles = N / OUTPUTS;
+  at::parallel_for(0, tiles + 1, 4, [&](int64_t begin, int64_t end) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      if (tile < tiles) {
+        rows_tile<VECTORS, OUTPUTS>(x_t.data(), ws, ys, tile * OUTPUTS, M, K, N);
+      } else {
+        for (int64_t n = tiles * OUTPUTS; n < N; ++n) rows_tile<VECTORS, 1>(x_t.data(), ws, ys, n, M, K, N);
+      }
+    }
+  });
+}
+#endif
+
 }  // namespace
 
 // x: [M, K] float32, weight: [N, K] float32 (nn.Linear's layout), bias: [N] or None -> [M, N]
@@ -72,6 +128,18 @@ torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<
   const float* xs = x.data_ptr<float>();
   const float* ws = weight.data_ptr<float>();
   float* ys = y.data_ptr<float>();
+#if defined(__AVX512F__)
+  if (M >= LANES && M <= 4 * LANES) {
+    switch ((M + LANES - 1) / LANES) {
+      case 1: rows_linear<1>(xs, ws, ys, M, K, N); break;
+      case 2: rows_linear<2>(xs, ws, ys, M, K, N); break;
+      case 3: rows_linear<3>(xs, ws, ys, M, K, N); break;
+      default: rows_linear<4>(xs, ws, ys, M, K, N); break;
+    }
+    if (bias.has_value() && bias->defined()) y.add_(bias->to(y.dtype()));
+    return y;
+  }
+#endif
   // threads split the outputs, so each reads its own share of the weight once
   at::parallel_for(0, (N + TILE_OUTPUTS - 1) / TILE_OUTPUTS, 16, [&](int64_t begin, int64_t end) {
     for (int64_t block = begin; block < end; ++block) {

@@ -133,3 +133,20 @@ def test_requests_stuck_mid_prefill_make_progress():
     run_step(scheduler, step)
     step = scheduler.schedule()  # nothing free: second is preempted, first finishes its prompt
     assert step.preempted == [second] and [(c.request, c.end) for c in step.prefills] == [(first, 20)]
+
+
+def test_a_newcomer_locking_the_only_evictable_prefix_does_not_stall_a_running_prefill():
+    """The newcomer is admitted first (its cached prefix locked) but gets no memory; once it is
+    sent back, the running prompt must still get the blocks that prefix held."""
+    pool, tree, scheduler = make(num_blocks=8, budget=16)
+    cached = Request(list(range(16)), SamplingParams(max_tokens=1))
+    scheduler.add(cached)
+    while not cached.done:
+        run_step(scheduler, scheduler.schedule(), max_tokens=1)
+    running = Request(list(range(100, 140)), SamplingParams(max_tokens=1))
+    scheduler.add(running)
+    run_step(scheduler, scheduler.schedule(), max_tokens=1)
+    assert running.computed == 16 and pool.num_free == 0  # the tree holds the other 4 blocks
+    scheduler.add(Request(list(range(16)) + [7, 7, 7, 7], SamplingParams(max_tokens=1)))
+    step = scheduler.schedule()
+    assert [(c.request, c.start) for c in step.prefills] == [(running, 16)] and not step.preempted

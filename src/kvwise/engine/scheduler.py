@@ -121,14 +121,15 @@ class Scheduler:
                     step.decodes.append(Chunk(request, request.computed, request.computed + 1))
                     budget -= 1
         # a step that had to preempt admits nobody: the victim would come straight back
-        admitted, budget = ([], budget) if step.preempted else self._admit_waiting(budget, step)
+        admitted = [] if step.preempted else self._admit_waiting(budget)
         prefilling = [r for r in self.running if r.prefilling]
-        for request in self._prefill_order(prefilling):
-            budget = self._schedule_prefill(request, budget, step)
+        budget = self._schedule_prefills(prefilling, budget, step)
         scheduled = {id(chunk.request) for chunk in step.prefills}
-        for request in reversed(admitted):  # no budget or no memory for it yet: back to the front
-            if id(request) not in scheduled:
-                self._unadmit(request)
+        unadmitted = [r for r in admitted if id(r) not in scheduled]
+        for request in reversed(unadmitted):  # no budget or no memory for it yet: back to the front
+            self._unadmit(request)
+        if unadmitted:  # their prefixes were locked: a running prefill may find its blocks now
+            budget = self._schedule_prefills([r for r in prefilling if id(r) not in scheduled], budget, step)
         for request in admitted:
             if id(request) in scheduled:
                 for listener in self.on_admit:
@@ -137,32 +138,47 @@ class Scheduler:
             # every running request is stuck mid-prefill waiting for blocks the others hold:
             # give the newest one's back so the rest can move (without this nothing ever would)
             self._preempt(self.running[-1], step)
-            for request in self._prefill_order([r for r in self.running if r.prefilling]):
-                budget = self._schedule_prefill(request, budget, step)
+            budget = self._schedule_prefills([r for r in self.running if r.prefilling], budget, step)
+        if not step.preempted:  # after everyone running: the memory goes to them first, as before
+            budget = self._swap_in_waiting(budget, step)
         scheduled = {id(chunk.request) for chunk in step.prefills}
         for request in prefilling:
             request.skipped_steps = 0 if id(request) in scheduled else request.skipped_steps + 1
         return step
 
-    def _admit_waiting(self, budget: int, step: Step) -> tuple[list[Request], int]:
-        """Admit waiting requests while their uncached prompt tokens fit `budget`. Returns the newly
-        admitted and the budget left: requests swapped back in from host memory are running again
-        (not listed), and one that was decoding decodes in this step."""
+    def _schedule_prefills(self, requests: list[Request], budget: int, step: Step) -> int:
+        for request in self._prefill_order(requests):
+            budget = self._schedule_prefill(request, budget, step)
+        return budget
+
+    def _admit_waiting(self, budget: int) -> list[Request]:
+        """Admit waiting requests, in cache-aware order, while their uncached prompt tokens fit
+        `budget`; stops at one preempted to host memory (`_swap_in_waiting` resumes those)."""
         admitted, wanted = [], 0
         while wanted < budget and self.waiting and len(self.running) < self.max_running:
             request = self._next_waiting()
-            if request.swapped is not None:  # preempted to host memory: copy back, continue
-                if not self._swap_in(request):
-                    self.waiting.appendleft(request)
-                    break
-                if not request.prefilling and self._reserve(request, request.computed + 1, step):
-                    step.decodes.append(Chunk(request, request.computed, request.computed + 1))
-                    budget -= 1
-                continue
+            if request.swapped is not None:
+                self.waiting.appendleft(request)
+                break
             self._admit(request)
             admitted.append(request)
             wanted += request.prefill_target - request.computed
-        return admitted, budget
+        return admitted
+
+    def _swap_in_waiting(self, budget: int, step: Step) -> int:
+        """Copy requests preempted to host memory back and continue them in this step (a step
+        without chunks would stop the engine); returns the budget left."""
+        while budget > 0 and self.waiting and self.waiting[0].swapped is not None:
+            if len(self.running) >= self.max_running or not self._swap_in(self.waiting[0]):
+                break
+            request = self.waiting.popleft()
+            if not request.prefilling:
+                if self._reserve(request, request.computed + 1, step):
+                    step.decodes.append(Chunk(request, request.computed, request.computed + 1))
+                    budget -= 1
+            else:
+                budget = self._schedule_prefill(request, budget, step)
+        return budget
 
     @staticmethod
     def _prefill_order(requests: list[Request]) -> list[Request]:

@@ -117,9 +117,7 @@ class Scheduler:
             if budget == 0:
                 break
             if not request.prefilling and request not in step.preempted:
-                if self._reserve(request, request.computed + 1, step, may_preempt=True):
-                    step.decodes.append(Chunk(request, request.computed, request.computed + 1))
-                    budget -= 1
+                budget -= self._schedule_decode(request, step, may_preempt=True)
         # a step that had to preempt admits nobody: the victim would come straight back
         admitted = [] if step.preempted else self._admit_waiting(budget)
         prefilling = [r for r in self.running if r.prefilling]
@@ -172,13 +170,18 @@ class Scheduler:
             if len(self.running) >= self.max_running or not self._swap_in(self.waiting[0]):
                 break
             request = self.waiting.popleft()
-            if not request.prefilling:
-                if self._reserve(request, request.computed + 1, step):
-                    step.decodes.append(Chunk(request, request.computed, request.computed + 1))
-                    budget -= 1
-            else:
+            if request.prefilling:
                 budget = self._schedule_prefill(request, budget, step)
+            else:
+                budget -= self._schedule_decode(request, step)
         return budget
+
+    def _schedule_decode(self, request: Request, step: Step, may_preempt: bool = False) -> bool:
+        """One decode token for `request` if its block can be had; True when scheduled."""
+        if not self._reserve(request, request.computed + 1, step, may_preempt):
+            return False
+        step.decodes.append(Chunk(request, request.computed, request.computed + 1))
+        return True
 
     @staticmethod
     def _prefill_order(requests: list[Request]) -> list[Request]:

@@ -150,6 +150,7 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
     report = {
         "workload": "niah",
         "config": asdict(config),
+        "prompt_format": builder.prompt_format,
         "system": system_info(model.device),
         "results": results,
     }

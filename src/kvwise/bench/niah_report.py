@@ -40,7 +40,7 @@ def markdown_table(report: dict) -> str:
     lines = [
         f"NIAH, mode={config['mode']}, lengths={config['lengths']}, depths={config['depths']}, "
         f"trials/depth={config['trials_per_depth']}, seed={config['seed']}, "
-        f"model={config['model'] or 'SmolLM2-135M-Instruct'}"
+        f"model={config['model'] or 'SmolLM2-135M-Instruct'}, prompt={report.get('prompt_format', 'chat template')}"
         + (f", quant={config['quant']} (kv16 = bytes held / a 16-bit full cache's)" if config.get("quant") else ""),
         f"system: kvwise {system['kvwise']}, torch {system['torch']}, transformers {system['transformers']}, "
         f"{system['device']} ({system['hardware']})",

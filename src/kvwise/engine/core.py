@@ -84,19 +84,20 @@ class EngineCore:
         self.quant_pools: dict[str, QuantPool] = {}  # per quantizer name, made when first asked for
         self.scheduler.release_quantized = lambda request, ids: self.quant_pools[request.kv.quant].release(ids)
         self.runner = ModelRunner(model, self.storage, self.quant_pools)
-        text_config = model.config.get_text_config(decoder=True)
-        self.sliding_window = getattr(text_config, "sliding_window", None) and getattr(
-            text_config, "use_sliding_window", True
-        )
+        self.sliding_layers = shape.sliding_layers
         self.peak_blocks = 0  # most blocks in use at once (benchmarks report peak KV memory)
 
     # ---- requests ------------------------------------------------------------------------------
-    def encode(self, prompt) -> list[int]:
-        """A string (tokenized without special tokens) or token ids -> a non-empty list of ids."""
+    def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
+        """A string or token ids -> a non-empty list of ids.
+
+        Text is tokenized as `model.generate(tokenizer(text))` would see it: with the tokenizer's
+        special tokens (the BOS that Gemma and Llama 3 need); a rendered chat template holds them
+        already and passes add_special_tokens=False."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("text prompts need a tokenizer; pass token ids or a tokenizer")
-            token_ids = self.tokenizer(prompt, add_special_tokens=False).input_ids
+            token_ids = self.tokenizer(prompt, add_special_tokens=add_special_tokens).input_ids
         else:
             token_ids = [int(token) for token in prompt]
         if not token_ids:
@@ -129,7 +130,7 @@ class EngineCore:
     ):
         """kv: the request's own eviction of its private tokens (shared prefixes stay intact)."""
         self.check_fits(len(token_ids), params.max_tokens)
-        if kv is not None and kv.evicts and self.sliding_window:
+        if kv is not None and kv.evicts and self.sliding_layers:
             raise ValueError("per-request KV eviction is not supported on models with sliding-window layers")
         seed = None if params.seed is None else params.seed + index
         return Request(

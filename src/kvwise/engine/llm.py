@@ -20,6 +20,7 @@ from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import CompletionOutput, EngineCore
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
+from kvwise.hf.chat_template import load_chat_template, render_chat
 from kvwise.tiers.base import Tier
 
 __all__ = ["LLM", "CacheConfig", "CompletionOutput", "KVSettings", "RequestOutput"]
@@ -103,11 +104,21 @@ class LLM:
             output.requests = group  # timings and reuse, for benchmarks
         return outputs
 
-    def chat(self, messages, sampling_params: SamplingParams | None = None, use_tqdm: bool = True):
-        """messages: one conversation (a list of {"role", "content"}) or a list of them."""
+    def chat(
+        self,
+        messages,
+        sampling_params: SamplingParams | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+    ):
+        """messages: one conversation (a list of {"role", "content"}) or a list of them.
+
+        chat_template: a Jinja template, or a file holding one, for tokenizers without their own
+        (base models) or to override it."""
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        template = load_chat_template(chat_template)
         prompts = [
-            self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+            self.engine.encode(render_chat(self.tokenizer, conversation, template), add_special_tokens=False)
             for conversation in conversations
         ]
         return self.generate(prompts, sampling_params, use_tqdm)

@@ -23,9 +23,9 @@ def check_ratio(compression_ratio: float) -> float:
 
 
 def full_kv_bytes(model, num_tokens: int, bytes_per_value: int) -> int:
-    """What an uncompressed cache holds for `num_tokens`: keys and values of every layer."""
-    shape = kv_geometry(model)
-    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * num_tokens * bytes_per_value
+    """What an uncompressed cache holds for `num_tokens`: keys and values of every layer, a
+    sliding-window layer at most its window."""
+    return kv_geometry(model).kv_bytes(num_tokens, bytes_per_value)
 
 
 class KVWiseCache(Cache):
@@ -206,7 +206,10 @@ class KVWiseCache(Cache):
         self.quantization_deferred = True
         try:
             self.model(input_ids=input_ids, attention_mask=attention_mask, cache=self, use_cache=True, logits_to_keep=1)
-            if self.policy.needs_context_pass and self.compression_ratio > 0:
+            if self.policy.needs_context_pass and self.compression_ratio > 0 and self.compressing_layers:
+                # The pass only scores: sliding-window layers would otherwise end up holding the
+                # window of the repeated text, and count its tokens in their length.
+                untouched = [(layer, dict(layer.__dict__)) for layer in self.layers if layer not in self.compressing_layers]
                 self.in_context_pass = True
                 try:
                     pass_ids, pass_mask = self.policy.context_pass_inputs(input_ids, attention_mask, self.tokenizer)
@@ -215,6 +218,8 @@ class KVWiseCache(Cache):
                     )
                 finally:
                     self.in_context_pass = False
+                    for layer, state in untouched:
+                        layer.__dict__.update(state)
                 self.finalize_global_selection()
         finally:
             self.quantization_deferred = False

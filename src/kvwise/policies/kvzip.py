@@ -119,7 +119,7 @@ class KVzipPolicy(Policy):
             return scoring.attention_received(last_queries=1, reduce="max")
         queries = scoring.queries
         if scoring.rotate_queries is not None:
-            queries = scoring.rotate_queries(queries, scoring.seq_len)
+            queries = scoring.rotate_queries(queries, scoring.seq_len, scoring.layer_idx)
         return self._max_attention(scoring, queries, None, simulated=True)
 
 

@@ -37,9 +37,9 @@ class ScoringInput:
     budget: int = 0
     # The same per batch entry, [batch] int64: rows of a padded batch hold different lengths.
     row_budgets: torch.Tensor | None = None
-    # rotate_queries(queries, delta): move RoPE-rotated queries `delta` positions later; None
+    # rotate_queries(queries, delta, layer_idx): move RoPE-rotated queries `delta` positions later; None
     # when the model's rotary embedding is not the standard rotate-half form.
-    rotate_queries: Callable[[torch.Tensor, int], torch.Tensor] | None = None
+    rotate_queries: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
 
     @property
     def batch_size(self) -> int:

@@ -21,6 +21,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvwise.engine.core import ContextLengthError, EngineCore
 from kvwise.engine.detokenizer import IncrementalText
+from kvwise.hf.chat_template import NO_TEMPLATE_SERVER_HINT, has_chat_template, render_chat
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 from kvwise.server.api_keys import KeyEntry, find_key
@@ -38,6 +39,7 @@ class ServerSettings:
     max_queue: int = 256
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 256  # chat requests without max_tokens
+    chat_template: str | None = None  # Jinja text from --chat-template; None: the tokenizer's own
     disconnect_poll_seconds: float = 0.25
 
 
@@ -198,11 +200,14 @@ class _Handlers:
     def _chat_prompts(self, body: ChatRequest) -> list[list[int]]:
         tokenizer = self.core.tokenizer
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        template = self.settings.chat_template
+        if not has_chat_template(tokenizer, template):
+            raise OpenAIError(400, f"this model has no chat template; {NO_TEMPLATE_SERVER_HINT}", param="messages")
         try:
-            text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            text = render_chat(tokenizer, messages, template)
         except Exception as error:  # templates raise their own exception types (jinja2, ValueError)
             raise OpenAIError(400, f"the chat template refused these messages: {error}", param="messages") from None
-        return [self.core.encode(text)]
+        return [self.core.encode(text, add_special_tokens=False)]  # the template holds the special tokens
 
     def _sampling(self, body, chat: bool, longest_prompt: int) -> SamplingParams:
         if body.presence_penalty or body.frequency_penalty:

@@ -42,6 +42,11 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument(
         "--redis-url", default=None, help="Redis for evicted prefix blocks, last tier (HMAC key: KVWISE_REDIS_HMAC_KEY)"
     )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a Jinja chat template (a file, or the template itself) for models without one, or to override it",
+    )
     parser.add_argument("--default-max-tokens", type=int, default=256, help="for chat requests without max_tokens")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
     parser.add_argument("--log-level", default="info")
@@ -50,6 +55,7 @@ def add_serve_arguments(parser) -> None:
 def build_app(args):
     """The app for parsed `serve` arguments (also used by tests, without uvicorn's CLI)."""
     from kvwise.engine.core import EngineCore
+    from kvwise.hf.chat_template import load_chat_template
     from kvwise.models import load_model
     from kvwise.server.api_keys import load_api_keys
     from kvwise.server.app import ServerSettings, create_app
@@ -70,7 +76,13 @@ def build_app(args):
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     name = args.served_model_name or (EMBEDDED_NAME if args.model is None else Path(args.model.rstrip("/")).name)
     core = EngineCore(model, tokenizer, cache, tiers)
-    settings = ServerSettings(name, keys, args.max_queue, default_max_tokens=args.default_max_tokens)
+    settings = ServerSettings(
+        name,
+        keys,
+        args.max_queue,
+        default_max_tokens=args.default_max_tokens,
+        chat_template=load_chat_template(args.chat_template),
+    )
     return create_app(core, settings)
 
 

@@ -209,7 +209,8 @@ class KVWiseCache(Cache):
             if self.policy.needs_context_pass and self.compression_ratio > 0 and self.compressing_layers:
                 # The pass only scores: sliding-window layers would otherwise end up holding the
                 # window of the repeated text, and count its tokens in their length.
-                untouched = [(layer, dict(layer.__dict__)) for layer in self.layers if layer not in self.compressing_layers]
+                others = [layer for layer in self.layers if not isinstance(layer, CompressingLayer)]
+                untouched = [(layer, dict(layer.__dict__)) for layer in others]
                 self.in_context_pass = True
                 try:
                     pass_ids, pass_mask = self.policy.context_pass_inputs(input_ids, attention_mask, self.tokenizer)

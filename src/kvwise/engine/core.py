@@ -52,9 +52,17 @@ class ContextLengthError(ValueError):
 
 
 class EngineCore:
-    def __init__(self, model, tokenizer=None, cache_config: CacheConfig | None = None, tiers: Sequence[Tier] = ()):
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        cache_config: CacheConfig | None = None,
+        tiers: Sequence[Tier] = (),
+        cpu_kernel: bool = True,
+    ):
         """tiers: where evicted prefix-cache blocks go and come back from (HostTier, DiskTier,
-        RedisTier, searched in that order); needs prefix caching."""
+        RedisTier, searched in that order); needs prefix caching. cpu_kernel=False keeps SDPA and
+        torch's linear on CPU (as KVWISE_CPU_KERNEL=0 does)."""
         self.model, self.tokenizer = model, tokenizer
         self.cache_config = config = cache_config or CacheConfig()
         self.max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -83,7 +91,9 @@ class EngineCore:
         )
         self.quant_pools: dict[str, QuantPool] = {}  # per quantizer name, made when first asked for
         self.scheduler.release_quantized = lambda request, ids: self.quant_pools[request.kv.quant].release(ids)
-        self.runner = ModelRunner(model, self.storage, self.quant_pools)
+        self.runner = ModelRunner(model, self.storage, self.quant_pools, cpu_kernel=cpu_kernel)
+        # called with (chunks, logits [C, vocab]) after each forward: model checks compare them
+        self.logits_observer = None
         self.sliding_layers = shape.sliding_layers
         self.peak_blocks = 0  # most blocks in use at once (benchmarks report peak KV memory)
 
@@ -191,6 +201,8 @@ class EngineCore:
                 f"{len(self.scheduler.waiting)} waiting requests do not fit {self.pool.num_blocks} blocks"
             )
         logits = self.runner.forward(step.chunks, self._evictions(step.chunks))
+        if self.logits_observer is not None:
+            self.logits_observer(step.chunks, logits)
         self.peak_blocks = max(self.peak_blocks, self.pool.stats().used)
         for compaction in self.runner.compactions:  # real bytes back to the pool
             request = compaction.request

@@ -84,6 +84,7 @@ class KVWiseCache(Cache):
         self.in_context_pass = False
         self.rotate_queries = query_rotator(model)
         self.compress_on_first_fill = True
+        kv_geometry(model)  # refuses models with layers that are not softmax attention, naming them
         config = model.config.get_text_config(decoder=True)
         self.max_positions = getattr(config, "max_position_embeddings", None)
         layer_types, layer_kwargs = get_layer_types_and_kwargs(config)

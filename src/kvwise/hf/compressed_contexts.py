@@ -19,6 +19,7 @@ import torch
 from kvwise.core.hashing import ROOT_KEY, Namespace, block_key
 from kvwise.hf.cache import KVWiseCache
 from kvwise.hf.geometry import kv_geometry
+from kvwise.hf.layer import CompressingLayer
 from kvwise.kv.codec import Encoded
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.kv.store import QuantizedChunk
@@ -98,10 +99,15 @@ def quant_label(quant) -> str:
 
 
 def cache_state(cache: KVWiseCache) -> dict[str, torch.Tensor]:
-    """Every tensor a compressed KVWiseCache holds, by name (full-attention layers only)."""
-    if len(cache.compressing_layers) != len(cache.layers):
-        raise ValueError("storing compressed contexts of models with sliding-window layers is not supported yet")
+    """Every tensor a compressed KVWiseCache holds, by name: each full-attention layer's store, and
+    each sliding-window layer's window as transformers holds it (never compressed)."""
     state = {}
+    for layer_idx, layer in enumerate(cache.layers):
+        if isinstance(layer, CompressingLayer) or not layer.is_initialized:
+            continue
+        prefix = f"window.{layer_idx}."
+        state[prefix + "keys"], state[prefix + "values"] = layer.keys, layer.values
+        state[prefix + "cumulative_length"] = torch.tensor([layer.cumulative_length])
     for index, layer in enumerate(cache.compressing_layers):
         prefix, store = f"{index}.", layer.store
         state[prefix + "seen_tokens"] = torch.tensor([layer.seen_tokens])
@@ -128,6 +134,14 @@ def cache_state(cache: KVWiseCache) -> dict[str, torch.Tensor]:
 
 
 def restore_cache_state(cache: KVWiseCache, state: dict[str, torch.Tensor], device) -> None:
+    for layer_idx, layer in enumerate(cache.layers):
+        prefix = f"window.{layer_idx}."
+        if isinstance(layer, CompressingLayer) or prefix + "keys" not in state:
+            continue
+        keys, values = state[prefix + "keys"].to(device), state[prefix + "values"].to(device)
+        layer.lazy_initialization(keys, values)
+        layer.keys, layer.values = keys, values
+        layer.cumulative_length = int(state[prefix + "cumulative_length"][0])
     for index, layer in enumerate(cache.compressing_layers):
         prefix = f"{index}."
         keys = state[prefix + "residual_keys"]

@@ -168,7 +168,8 @@ def check_full_cache(model, ids: list[int], max_tokens: int = 6, tolerance: floa
         model.set_attn_implementation(previous)
     error = relative_error(expected, logits)
     same = torch.equal(expected_tokens, tokens)
-    detail = f"logits max relative error {error:.1e} (tolerance {tolerance:.0e}), tokens {'equal' if same else 'differ'}"
+    tokens_verdict = "equal" if same else "differ"
+    detail = f"logits max relative error {error:.1e} (tolerance {tolerance:.0e}), tokens {tokens_verdict}"
     return Verdict("full cache", error <= tolerance and same, detail, {"logit_error": error})
 
 
@@ -229,7 +230,7 @@ def check_budgets(model, context: list[int], policy: str, ratio: float, tokenize
                 continue
             stored = keys[0, head][valid[0, head]]
             if relative_error(expected_keys[0, head, kept], stored) > CACHE_TOLERANCE:
-                problems.append(f"layer {layer.layer_idx} head {head}: kept keys differ from the model's at their positions")
+                problems.append(f"layer {layer.layer_idx} head {head}: kept keys differ from the model's there")
     budget = _expected_kept(cache, len(context), full_layers)
     if kept_total != budget:
         problems.append(f"full-attention layers hold {kept_total} entries, the budget is {budget}")

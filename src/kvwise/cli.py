@@ -1,4 +1,4 @@
-"""The `kvwise` command line: policies, generate, demo, serve, bench."""
+"""The `kvwise` command line: policies, generate, demo, serve, check-model, bench."""
 
 from __future__ import annotations
 
@@ -34,6 +34,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = commands.add_parser("serve", help="an OpenAI-compatible server on the engine")
     add_serve_arguments(serve)
+
+    check = commands.add_parser(
+        "check-model", help="check that kvwise computes what a model computes (engine and cache against generate)"
+    )
+    check.add_argument("model", nargs="?", default=None, help="HF hub id or local directory (default: embedded)")
+    check.add_argument("--policies", default="snapkv,kvzip", help="policies whose budgets are checked (comma list)")
+    check.add_argument("--ratio", type=float, default=0.5, help="compression ratio of the budget checks")
+    check.add_argument("--text-file", default=None, help="text to cut prompts from (default: the haystack essays)")
+    check.add_argument("--device", default="cpu", help="cpu (default), cuda or auto; the checks run in float32")
 
     bench = commands.add_parser("bench", help="benchmarks")
     add_bench_parsers(bench.add_subparsers(dest="workload", required=True))
@@ -91,6 +100,39 @@ def _command_demo(args) -> None:
     run_demo(policy=args.policy, ratio=args.ratio, model_name=args.model)
 
 
+def _command_check_model(args) -> int:
+    import torch
+
+    from kvwise.hf.cache import check_ratio
+    from kvwise.hf.geometry import kv_geometry
+    from kvwise.model_check import check_model
+    from kvwise.models import load_model
+    from kvwise.policies.registry import make_policy
+
+    check_ratio(args.ratio)
+    policies = [name.strip() for name in args.policies.split(",") if name.strip()]
+    for name in policies:
+        make_policy(name)
+    if args.text_file:
+        text = Path(args.text_file).read_text(encoding="utf-8", errors="replace")
+    else:
+        from kvwise.bench.haystack import read_haystack
+
+        text = read_haystack()
+    model, tokenizer = load_model(args.model, device=args.device, dtype=torch.float32)
+    shape = kv_geometry(model)
+    sliding = shape.sliding_layers
+    print(
+        f"{type(model).__name__}: {shape.num_layers} layers ({len(sliding)} sliding-window), "
+        f"{shape.num_kv_heads} KV heads of {shape.head_dim}, "
+        f"chat template: {'yes' if getattr(tokenizer, 'chat_template', None) else 'no (plain prompts)'}"
+    )
+    verdicts = check_model(model, tokenizer, text, policies, args.ratio, progress=lambda v: print(v.line(), flush=True))
+    failed = [verdict for verdict in verdicts if not verdict.passed]
+    print("verdict: " + ("supported: every check passed" if not failed else f"{len(failed)} checks failed"))
+    return 1 if failed else 0
+
+
 def _command_bench(args) -> None:
     run_bench(args)
 
@@ -107,20 +149,21 @@ _COMMANDS = {
     "demo": _command_demo,
     "bench": _command_bench,
     "serve": _command_serve,
+    "check-model": _command_check_model,
 }
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
-        _COMMANDS[args.command](args)
+        status = _COMMANDS[args.command](args)
     except ValueError as error:
         print(f"kvwise: error: {error}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
         print("kvwise: interrupted", file=sys.stderr)
         return 130
-    return 0
+    return status or 0
 
 
 if __name__ == "__main__":

@@ -259,3 +259,40 @@ def _expected_kept(cache, num_tokens: int, full_layers) -> int:
     if cache.policy.keeps_everything or cache.compression_ratio == 0:
         return heads * num_tokens
     return heads * max(1, round((1.0 - cache.compression_ratio) * num_tokens))
+
+
+def check_model(model, tokenizer, text: str, policies: list[str], ratio: float, progress=None) -> list[Verdict]:
+    """Every check on a real model, with prompts cut from `text`: three of mixed lengths (the
+    longest past the sliding window, if any), chunked by a token budget below the longest, and
+    a second round that reuses their prefixes."""
+    from kvwise.hf.chat_template import bos_ids
+    from kvwise.hf.geometry import kv_geometry
+
+    geometry = kv_geometry(model)
+    windows = [window for window in geometry.windows if window is not None]
+    longest = min(max(windows) + 48, 1024) if windows else 96
+    bos = bos_ids(tokenizer)
+    stream = tokenizer(text, add_special_tokens=False).input_ids
+    if len(stream) < 2 * longest + 64:
+        raise ValueError(f"the text has {len(stream)} tokens; the checks need at least {2 * longest + 64}")
+    lengths = (max(4, longest // 6), max(8, longest // 2), longest)
+    first = [bos + stream[i * longest : i * longest + length] for i, length in enumerate(lengths)]
+    tail = stream[2 * longest : 2 * longest + 24]
+    second = [first[1][: len(first[1]) * 3 // 4] + tail[:8], first[2][: len(first[2]) * 3 // 4] + tail[8:]]
+    budget = max(16, longest // 3)
+    context, question = first[2], tail[:12]
+    runs = [
+        lambda: check_engine(model, [first, second], block_size=16, token_budget=budget),
+        lambda: check_engine(
+            model, [first, second], prefix_caching=False, cpu_kernel=False, block_size=16, token_budget=budget
+        ),
+        lambda: check_full_cache(model, first[1]),
+        lambda: check_ratio_zero(model, context, question),
+        *[lambda policy=policy: check_budgets(model, context, policy, ratio, tokenizer) for policy in policies],
+    ]
+    verdicts = []
+    for run in runs:
+        verdicts.append(run())
+        if progress is not None:
+            progress(verdicts[-1])
+    return verdicts

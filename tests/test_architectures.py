@@ -24,17 +24,10 @@ import transformers as tf
 from kvwise.hf.geometry import UnsupportedModelError, kv_geometry
 from kvwise.model_check import check_budgets, check_engine, check_full_cache, check_ratio_zero
 from kvwise.policies.registry import policy_names
+from tests.conftest import SHARED
 
-VOCAB = 256
-BASE = dict(
-    vocab_size=VOCAB,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-)
+VOCAB = 256  # a wider vocabulary than the other tests' tiny models: fewer near-tied logits
+BASE = {**SHARED, "vocab_size": VOCAB}
 WINDOW = 8  # shorter than the prompts, so chunked prefill and decoding cross it
 
 FAMILIES = {

@@ -7,8 +7,10 @@ on a background thread and streams the events. Nothing here is thread-safe: one 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -17,6 +19,7 @@ import torch
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.radix import RadixCache
 from kvwise.engine.config import CacheConfig
+from kvwise.engine.detokenizer import IncrementalText
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.request import Request
@@ -26,7 +29,10 @@ from kvwise.engine.scheduler import Scheduler, default_namespace
 from kvwise.engine.swap import HostSwap
 from kvwise.hf.geometry import kv_geometry, paged_storage_for
 from kvwise.kv.prefix_tiers import PrefixTiers, ReuseStats
+from kvwise.kv.quantizer import make_quantizer
 from kvwise.tiers.base import Tier
+
+log = logging.getLogger("kvwise.engine")
 
 
 @dataclass
@@ -34,17 +40,26 @@ class CompletionOutput:
     index: int
     text: str
     token_ids: list[int]
-    finish_reason: str  # "stop" (EOS or a stop string) or "length"
+    finish_reason: str  # "stop" (EOS or a stop string), "length", or "error" (an internal fault)
     logprobs: list[dict[int, float]] | None = None
 
 
 @dataclass
 class TokenEvent:
-    """A token sampled for `request` in one step; `finish_reason` is set when it was the last."""
+    """A token sampled for `request` in one step; `finish_reason` is set when it was the last.
+    A request cancelled by an internal fault gets one event with token -1 and reason "error"."""
 
     request: Request
     token: int
     finish_reason: str | None
+
+
+@dataclass
+class StepRecord:
+    """What one step computed: (request_id, start, end) per chunk (tests read the log)."""
+
+    step: int
+    chunks: list[tuple[str, int, int]]
 
 
 class ContextLengthError(ValueError):
@@ -96,6 +111,8 @@ class EngineCore:
         self.logits_observer = None
         self.sliding_layers = shape.sliding_layers
         self.peak_blocks = 0  # most blocks in use at once (benchmarks report peak KV memory)
+        self.steps = 0
+        self.step_log: deque[StepRecord] = deque(maxlen=1024)
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
@@ -142,6 +159,8 @@ class EngineCore:
         self.check_fits(len(token_ids), params.max_tokens)
         if kv is not None and kv.evicts and self.sliding_layers:
             raise ValueError("per-request KV eviction is not supported on models with sliding-window layers")
+        if kv is not None and kv.quant is not None:  # caught here, not inside a batched step
+            make_quantizer(kv.quant).check_head_dim(self.storage.keys[0].shape[-1])
         seed = None if params.seed is None else params.seed + index
         return Request(
             list(token_ids),
@@ -158,24 +177,33 @@ class EngineCore:
             self.quant_pools[name] = QuantPool(name, self.storage, self.cache_config.num_blocks)
         return self.quant_pools[name]
 
-    def _quantize_settled_blocks(self) -> None:
-        """Move running requests' full private blocks outside the residual window to their QuantPool."""
-        block = self.pool.block_size
-        for request in self.scheduler.running:
+    def _quantize_settled_blocks(self) -> list:
+        """Move running requests' full private blocks outside the residual window to their
+        QuantPool. Returns [(request, error)] for requests whose quantization raised."""
+        failed = []
+        for request in list(self.scheduler.running):
             if request.kv is None or request.kv.quant is None or request.prefilling:
                 continue
-            quant = self._quant_pool(request.kv.quant)
-            first = max(request.reused // block, 1)  # the shared prefix and the sink block stay
-            full = (request.computed - request.kv_offset) // block
-            settled = [i for i in range(first, full - quant.residual_blocks) if request.blocks[i] >= 0]
-            if not settled:
-                continue
-            ids = quant.store(self.storage, [request.blocks[i] for i in settled])
-            if ids is None:
-                continue  # the quantized pool is full: the blocks stay as they are
-            self.pool.release([request.blocks[i] for i in settled])
-            for index, quantized in zip(settled, ids):
-                request.blocks[index] = -1 - quantized
+            try:
+                self._quantize_request(request)
+            except Exception as error:  # noqa: BLE001 - that request alone fails
+                failed.append((request, error))
+        return failed
+
+    def _quantize_request(self, request: Request) -> None:
+        block = self.pool.block_size
+        quant = self._quant_pool(request.kv.quant)
+        first = max(request.reused // block, 1)  # the shared prefix and the sink block stay
+        full = (request.computed - request.kv_offset) // block
+        settled = [i for i in range(first, full - quant.residual_blocks) if request.blocks[i] >= 0]
+        if not settled:
+            return
+        ids = quant.store(self.storage, [request.blocks[i] for i in settled])
+        if ids is None:
+            return  # the quantized pool is full: the blocks stay as they are
+        self.pool.release([request.blocks[i] for i in settled])
+        for index, quantized in zip(settled, ids):
+            request.blocks[index] = -1 - quantized
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
@@ -200,29 +228,33 @@ class EngineCore:
                 f"the engine cannot make progress: {len(self.scheduler.running)} running and "
                 f"{len(self.scheduler.waiting)} waiting requests do not fit {self.pool.num_blocks} blocks"
             )
-        logits = self.runner.forward(step.chunks, self._evictions(step.chunks))
+        self.steps += 1
+        chunks, logits, compactions, failed = self._forward_isolating_faults(step.chunks)
         if self.logits_observer is not None:
-            self.logits_observer(step.chunks, logits)
+            self.logits_observer(chunks, logits)
+        self.step_log.append(StepRecord(self.steps, [(c.request.request_id, c.start, c.end) for c in step.chunks]))
         self.peak_blocks = max(self.peak_blocks, self.pool.stats().used)
-        for compaction in self.runner.compactions:  # real bytes back to the pool
+        for compaction in compactions:  # real bytes back to the pool
             request = compaction.request
             layers = range(len(self.storage.keys))
             request.compacted_positions = torch.stack([compaction.kept_positions[layer] for layer in layers])
             kv_tokens = request.reused + compaction.keep
             request.kv_offset = compaction.end - kv_tokens
             self.scheduler.shrink(request, kv_tokens)
-        self._quantize_settled_blocks()
+        failed += self._quantize_settled_blocks()
         # a chunk that reaches its request's prefill target (the prompt, or prompt + output after a
         # recompute) samples the next token; earlier prompt chunks only fill the cache
-        rows = [index for index, chunk in enumerate(step.chunks) if chunk.end >= chunk.request.prefill_target]
-        finishing = [step.chunks[index] for index in rows]
-        sampled = sample(logits[rows], [c.request.params for c in finishing], [c.request.generator for c in finishing])
-        for chunk in step.chunks:
+        rows = [index for index, chunk in enumerate(chunks) if chunk.end >= chunk.request.prefill_target]
+        finishing = [chunks[index] for index in rows]
+        sampled = self._sample_isolating_faults(logits[rows], finishing, failed)
+        for chunk in chunks:
             if chunk.end < chunk.request.prefill_target:
                 self.scheduler.complete(chunk, None)
-        events = []
+        events = [self._fail(request, error) for request, error in failed]
         for chunk, token in zip(finishing, sampled):
             request = chunk.request
+            if token is None or request.done:
+                continue  # its failure is already in `events`
             self.scheduler.complete(chunk, token.token)
             if request.first_token_time is None:
                 request.first_token_time = time.monotonic()
@@ -235,6 +267,57 @@ class EngineCore:
                 self.scheduler.finish(request)
             events.append(TokenEvent(request, token.token, reason))
         return events
+
+    # ---- faults --------------------------------------------------------------------------------
+    def _forward_isolating_faults(self, chunks):
+        """One forward for all chunks; if it raises, each chunk again alone, so a fault fails only
+        the requests whose chunk raises by itself. Returns (chunks, logits [C, vocab] of those
+        chunks, the compactions done, [(request, error)] of the failed)."""
+        try:
+            logits = self.runner.forward(chunks, self._evictions(chunks))
+            return chunks, logits, list(self.runner.compactions), []
+        except Exception as error:  # noqa: BLE001 - attributed below, or re-raised
+            if len(chunks) == 1:
+                return [], None, [], [(chunks[0].request, error)]
+            first_error = error
+        kept, rows, compactions, failed = [], [], [], []
+        for chunk in chunks:
+            try:
+                rows.append(self.runner.forward([chunk], self._evictions([chunk])))
+                kept.append(chunk)
+                compactions.extend(self.runner.compactions)
+            except Exception as error:  # noqa: BLE001
+                failed.append((chunk.request, error))
+        if not kept:
+            raise first_error  # not one request's fault: the engine itself is broken
+        log.warning("a step failed; %d of %d chunks failed again alone and were cancelled", len(failed), len(chunks))
+        return kept, torch.cat(rows), compactions, failed
+
+    def _sample_isolating_faults(self, logits, finishing, failed) -> list:
+        """One SampledToken per finishing chunk, or None where sampling that row raised."""
+        if not finishing:
+            return []
+        params, generators = [c.request.params for c in finishing], [c.request.generator for c in finishing]
+        try:
+            return sample(logits, params, generators)
+        except Exception:  # noqa: BLE001 - row by row, to find whose row it was
+            tokens = []
+            for row, chunk in enumerate(finishing):
+                try:
+                    tokens.extend(sample(logits[row : row + 1], params[row : row + 1], generators[row : row + 1]))
+                except Exception as error:  # noqa: BLE001
+                    failed.append((chunk.request, error))
+                    tokens.append(None)
+            return tokens
+
+    def _fail(self, request: Request, error: Exception) -> TokenEvent:
+        """Cancel one request after an internal fault in its part of a step; the others go on."""
+        log.error("request %s failed inside a step: %s: %s", request.request_id, type(error).__name__, error)
+        self.scheduler.cancel(request)
+        request.finish_time = time.monotonic()
+        request.error = f"internal error while computing this request: {type(error).__name__}"
+        request.completion = CompletionOutput(request.index, "", list(request.output), "error", request.logprobs)
+        return TokenEvent(request, -1, "error")
 
     def _evictions(self, chunks) -> dict[int, int]:
         """{id(chunk): tokens per head to keep} for requests whose KVSettings evict this step:
@@ -262,8 +345,10 @@ class EngineCore:
         if not params.ignore_eos and self.eos is not None and token == self.eos:
             return "stop"
         if params.stop and self.tokenizer is not None:
-            text = self.tokenizer.decode(request.output, skip_special_tokens=True)
-            if find_stop(text, params.stop) is not None:
+            if request.stop_text is None:  # decodes only the newest tokens: linear in the output
+                request.stop_text = IncrementalText(self.tokenizer, params.stop, self.eos)
+            request.stop_text.add(token, final=False)
+            if request.stop_text.stopped:
                 return "stop"
         return "length" if len(request.output) >= params.max_tokens else None
 

@@ -38,8 +38,9 @@ class KVSettings:
             raise ValueError(f"kv_ratio must be in [0, 1) (the fraction of KV removed), got {self.ratio}")
         if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
             raise ValueError(f"max_kv_tokens must be >= 1, got {self.max_kv_tokens}")
-        if self.quant is not None and make_quantizer(self.quant) is None:  # also: clear errors for bad names
-            self.quant = None
+        if self.quant is not None:  # clear errors for bad names; one canonical spelling per quantizer
+            quantizer = make_quantizer(self.quant)
+            self.quant = None if quantizer is None else quantizer.spec
         if self.quant is not None:
             if self.max_kv_tokens is not None:
                 raise ValueError(

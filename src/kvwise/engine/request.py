@@ -52,6 +52,8 @@ class Request:
     completion: Any = None  # the CompletionOutput once finished
     first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
     finish_time: float | None = None
+    stop_text: Any = None  # IncrementalText watching for its stop strings
+    error: str | None = None  # set when an internal fault in its part of a step cancelled it
 
     @property
     def tokens(self) -> list[int]:

@@ -8,9 +8,15 @@ is in the batch.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+# Below this temperature sampling is greedy: logits / T would overflow float32 (vLLM's epsilon)
+GREEDY_BELOW = 1e-5
+MAX_STOP_STRINGS = 16
+MAX_STOP_LENGTH = 256  # characters of one stop string
 
 
 @dataclass
@@ -30,13 +36,21 @@ class SamplingParams:
             self.stop = [self.stop]
         checks = [
             (self.max_tokens >= 1, f"max_tokens must be >= 1, got {self.max_tokens}"),
-            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (
+                math.isfinite(self.temperature) and self.temperature >= 0,
+                f"temperature must be a finite number >= 0, got {self.temperature}",
+            ),
             (0 < self.top_p <= 1, f"top_p must be in (0, 1], got {self.top_p}"),
             (self.top_k >= -1, f"top_k must be -1, 0 or positive, got {self.top_k}"),
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (self.seed is None or 0 <= self.seed < 2**63 - 1024, f"seed must be in [0, 2**63), got {self.seed}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
             (all(isinstance(text, str) and text for text in self.stop), "stop must be non-empty strings"),
+            (len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"),
+            (
+                all(len(text) <= MAX_STOP_LENGTH for text in self.stop),
+                f"a stop string may have at most {MAX_STOP_LENGTH} characters",
+            ),
         ]
         for ok, message in checks:
             if not ok:
@@ -44,7 +58,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass
@@ -91,6 +105,8 @@ def _draw(scaled: torch.Tensor, settings: SamplingParams, generator: torch.Gener
         drop = cumulative - torch.softmax(ordered, dim=-1) >= settings.top_p
         scaled = scaled.scatter(0, order[drop], float("-inf"))
     probs = torch.softmax(scaled, dim=-1)
+    if not bool(torch.isfinite(probs).all()):  # logits that were not finite: never fail the batch's step
+        return int(torch.nan_to_num(scaled, nan=float("-inf")).argmax())
     return int(torch.multinomial(probs, 1, generator=generator))  # a generator lives on the logits' device
 
 

@@ -89,13 +89,7 @@ class CompressedContexts:
 def quant_label(quant) -> str:
     """Every setting of a quantizer that changes what is stored."""
     quantizer = make_quantizer(quant)
-    if quantizer is None:
-        return "none"
-    channel_group = getattr(quantizer.value_codec, "channel_group", "-")
-    return (
-        f"{quantizer.name}:r{quantizer.residual_length}:g{quantizer.group_size}"
-        f":s{quantizer.sink_tokens}:v{channel_group}"
-    )
+    return "none" if quantizer is None else quantizer.spec
 
 
 def cache_state(cache: KVWiseCache) -> dict[str, torch.Tensor]:

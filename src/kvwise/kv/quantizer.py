@@ -46,6 +46,16 @@ class Quantizer:
         self.key_codec.check_head_dim(head_dim)
         self.value_codec.check_head_dim(head_dim)
 
+    @property
+    def spec(self) -> str:
+        """The canonical spelling: every setting that changes what is stored, in a fixed order, so
+        "kivi4", "kivi4:sink_tokens=1" and "KIVI4:" name one quantizer (one pool, one cache key).
+        `make_quantizer(q.spec)` rebuilds q."""
+        options = {"residual_length": self.residual_length, "sink_tokens": self.sink_tokens}
+        if self.name.startswith("kivi"):
+            options = {"group_size": self.group_size, **options, "value_group_size": self.value_codec.channel_group}
+        return ":".join([self.name, *(f"{option}={value}" for option, value in options.items())])
+
     def describe(self) -> str:
         return f"{self.name} (residual {self.residual_length}, group {self.group_size})"
 

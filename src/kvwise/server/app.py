@@ -12,7 +12,7 @@ import asyncio
 import json
 import time
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -24,6 +24,7 @@ from kvwise.engine.detokenizer import IncrementalText
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.chat_template import NO_TEMPLATE_SERVER_HINT, has_chat_template, render_chat
+from kvwise.kv.quantizer import make_quantizer, quantizer_names
 from kvwise.server.api_keys import KeyEntry, find_key
 from kvwise.server.async_engine import AsyncEngine, EngineFailure
 from kvwise.server.openai_format import Formatter
@@ -40,6 +41,8 @@ class ServerSettings:
     max_body_bytes: int = 8 * 1024 * 1024
     default_max_tokens: int = 256  # chat requests without max_tokens
     chat_template: str | None = None  # Jinja text from --chat-template; None: the tokenizer's own
+    # canonical quantizer specs requests may ask for (--kv-quant-options); each gets one pool
+    kv_quant_options: frozenset[str] = field(default_factory=lambda: default_kv_quant_options())
     disconnect_poll_seconds: float = 0.25
 
 
@@ -47,6 +50,44 @@ class ServerSettings:
 class Caller:
     tenant: str
     shared_prefix: bool
+
+
+def default_kv_quant_options() -> frozenset[str]:
+    """The four quantizers with their default settings."""
+    return frozenset(make_quantizer(name).spec for name in quantizer_names())
+
+
+def parse_kv_quant_options(text: str | None) -> frozenset[str]:
+    """--kv-quant-options "kivi2,kivi4:group_size=16" -> canonical specs ("none": no kv_quant at all)."""
+    if text is None:
+        return default_kv_quant_options()
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    return frozenset(quantizer.spec for quantizer in map(make_quantizer, names) if quantizer is not None)
+
+
+def check_json_values(data, max_depth: int = 64) -> None:
+    """Refuse bodies that nest deeper than `max_depth` or hold strings with lone UTF-16
+    surrogates (valid JSON escapes, but no tokenizer can encode them), before any handler sees them."""
+    stack = [(data, 1, "")]
+    while stack:
+        value, depth, where = stack.pop()
+        if depth > max_depth:
+            raise OpenAIError(400, f"the body nests deeper than {max_depth} levels", code="malformed_json")
+        if isinstance(value, str):
+            where = where.encode("utf-8", "backslashreplace").decode("utf-8")  # the message must be text
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError:
+                raise OpenAIError(
+                    400, f"{where or 'the body'} holds a lone UTF-16 surrogate, which is not text", param=where or None
+                ) from None
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                if isinstance(key, str):
+                    stack.append((key, depth, where))
+                stack.append((item, depth + 1, f"{where}.{key}" if where else str(key)))
+        elif isinstance(value, list):
+            stack.extend((item, depth + 1, f"{where}[{index}]") for index, item in enumerate(value))
 
 
 def create_app(core: EngineCore, settings: ServerSettings) -> FastAPI:
@@ -70,6 +111,20 @@ def create_app(core: EngineCore, settings: ServerSettings) -> FastAPI:
     async def http_error(request: Request, error: StarletteHTTPException):
         message = f"no route {request.method} {request.url.path}" if error.status_code in (404, 405) else error.detail
         return JSONResponse(OpenAIError(error.status_code, str(message)).body(), status_code=error.status_code)
+
+    @app.get("/health/live")
+    async def live():
+        """The process answers and its engine thread runs (restart it otherwise)."""
+        if not engine.alive:
+            raise OpenAIError(503, "the engine thread has stopped; see the server log", code="engine_down")
+        return {"status": "live"}
+
+    @app.get("/health/ready")
+    async def ready():
+        """New requests are taken: the engine runs and the server is not draining."""
+        if not engine.started:
+            raise OpenAIError(503, "the engine is starting", code="starting")
+        return await health()
 
     @app.get("/health")
     async def health():
@@ -133,6 +188,7 @@ class _Handlers:
                 param="model",
                 code="model_not_found",
             )
+        self._check_request_count(body, chat)  # before anything is tokenized or built
         prompts = self._chat_prompts(body) if chat else self._completion_prompts(body)
         params = self._sampling(body, chat, max(map(len, prompts)))
         kv = self._kv_settings(body)
@@ -176,8 +232,11 @@ class _Handlers:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:
             raise OpenAIError(422, f"the body is not valid JSON: {error}", code="malformed_json") from None
+        except RecursionError:
+            raise OpenAIError(400, "the body nests too deeply", code="malformed_json") from None
         if not isinstance(data, dict):
             raise OpenAIError(422, "the body must be a JSON object", code="malformed_json")
+        check_json_values(data)
         try:
             return model.model_validate(data)
         except ValidationError as error:
@@ -185,6 +244,22 @@ class _Handlers:
             field = ".".join(str(part) for part in first["loc"])
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()[:5])
             raise OpenAIError(422, f"invalid request: {problems}", param=field or None, code="invalid_field") from None
+
+    def _check_request_count(self, body, chat: bool) -> None:
+        """`n` completions of each prompt are `n x prompts` engine requests; more than the queue
+        holds can never be admitted, so they are refused at once (n = 10**9 included)."""
+        if body.n < 1:
+            raise OpenAIError(400, f"n must be >= 1, got {body.n}", param="n")
+        prompts = 1
+        if not chat and isinstance(body.prompt, list) and body.prompt and not isinstance(body.prompt[0], int):
+            prompts = len(body.prompt)
+        if body.n * prompts > self.settings.max_queue:
+            raise OpenAIError(
+                400,
+                f"n x prompts = {body.n * prompts} completions, more than this server queues at once "
+                f"({self.settings.max_queue}); send fewer",
+                param="n",
+            )
 
     def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
@@ -239,17 +314,26 @@ class _Handlers:
         except ValueError as error:
             raise OpenAIError(400, str(error)) from None
 
-    @staticmethod
-    def _kv_settings(body) -> KVSettings | None:
+    def _kv_settings(self, body) -> KVSettings | None:
         """kvwise's per-request KV options (kv_policy, kv_ratio, kv_quant, max_kv_tokens), or None."""
         if body.kv_policy is None and body.kv_ratio is None and body.max_kv_tokens is None and body.kv_quant is None:
             return None
         try:
-            return KVSettings(
+            settings = KVSettings(
                 body.kv_policy or "snapkv", body.kv_ratio or 0.0, max_kv_tokens=body.max_kv_tokens, quant=body.kv_quant
             )
         except ValueError as error:
-            raise OpenAIError(400, str(error), param="kv_policy") from None
+            raise OpenAIError(400, str(error), param="kv_quant" if "quant" in str(error) else "kv_policy") from None
+        allowed = self.settings.kv_quant_options
+        if settings.quant is not None and settings.quant not in allowed:
+            # each quantizer holds a pool of its own: only the server's fixed set may be asked for
+            raise OpenAIError(
+                400,
+                f"kv_quant {body.kv_quant!r} is not enabled on this server; choose one of: "
+                + ", ".join(sorted(allowed)),
+                param="kv_quant",
+            )
+        return settings
 
     # ---- answers -------------------------------------------------------------------------------
     async def _wait(self, http: Request, requests, events: asyncio.Queue):

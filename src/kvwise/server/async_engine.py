@@ -57,6 +57,8 @@ class AsyncEngine:
         """Queue requests; their TokenEvents (or an EngineFailure) arrive on the returned queue."""
         if not self.accepting:
             raise OpenAIError(503, "the server is shutting down", code="shutting_down")
+        if not self.alive:  # nothing would ever answer these requests
+            raise OpenAIError(503, "the engine thread has stopped; see the server log", code="engine_down")
         if self.queue_depth + len(requests) > self.max_queue:
             self.metrics.rejected.inc()
             raise OpenAIError(
@@ -88,6 +90,10 @@ class AsyncEngine:
             await asyncio.sleep(poll_seconds)
 
     # ---- the engine thread ---------------------------------------------------------------------
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
     @property
     def alive(self) -> bool:
         return self._thread.is_alive() or not self._thread.ident  # not started yet counts as alive
@@ -145,6 +151,9 @@ class AsyncEngine:
         events = self._queues.get(request)
         if events is None:
             return
+        if isinstance(item, TokenEvent) and item.finish_reason == "error":
+            self.metrics.requests.labels("failed").inc()
+            item = EngineFailure(request.error or "internal error while computing this request")
         if isinstance(item, EngineFailure) or item.finish_reason is not None:
             del self._queues[request]
         self._loop.call_soon_threadsafe(events.put_nowait, item)

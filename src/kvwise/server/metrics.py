@@ -62,6 +62,9 @@ class ServerMetrics:
 
     def on_token(self, event: TokenEvent) -> None:
         request = event.request
+        if event.finish_reason == "error":  # no token: the request failed (counted as failed on delivery)
+            self._counted.discard(request.request_id)
+            return
         self.generated_tokens.inc()
         if len(request.output) == 1 and request.first_token_time is not None:
             self.ttft.observe(request.first_token_time - request.arrival)

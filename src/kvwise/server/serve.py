@@ -47,6 +47,12 @@ def add_serve_arguments(parser) -> None:
         default=None,
         help="a Jinja chat template (a file, or the template itself) for models without one, or to override it",
     )
+    parser.add_argument(
+        "--kv-quant-options",
+        default=None,
+        help="comma list of the kv_quant values requests may ask for, each with its own pool "
+        "(default: kivi2,kivi4,int8,fp8 with default settings; none: no kv_quant)",
+    )
     parser.add_argument("--default-max-tokens", type=int, default=256, help="for chat requests without max_tokens")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
     parser.add_argument("--log-level", default="info")
@@ -58,7 +64,7 @@ def build_app(args):
     from kvwise.hf.chat_template import load_chat_template
     from kvwise.models import load_model
     from kvwise.server.api_keys import load_api_keys
-    from kvwise.server.app import ServerSettings, create_app
+    from kvwise.server.app import ServerSettings, create_app, parse_kv_quant_options
 
     keys = load_api_keys(args.api_keys) if args.api_keys else None
     if args.max_queue < 1:
@@ -82,6 +88,7 @@ def build_app(args):
         args.max_queue,
         default_max_tokens=args.default_max_tokens,
         chat_template=load_chat_template(args.chat_template),
+        kv_quant_options=parse_kv_quant_options(args.kv_quant_options),
     )
     return create_app(core, settings)
 

@@ -20,7 +20,8 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, *options: str, startup_seconds: float = 120.0):
+    def __init__(self, *options: str, startup_seconds: float = 120.0, metrics_key: str | None = None):
+        self.metrics_key = metrics_key  # an admin key, sent when reading /metrics
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [sys.executable, "-m", "kvwise.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
@@ -41,7 +42,10 @@ class LiveServer:
 
     def metrics(self) -> dict[tuple[str, tuple], float]:
         """{(sample name, sorted label items): value} from /metrics."""
-        text = httpx.get(f"{self.base_url}/metrics", timeout=10).text
+        headers = {"Authorization": f"Bearer {self.metrics_key}"} if self.metrics_key else {}
+        answer = httpx.get(f"{self.base_url}/metrics", headers=headers, timeout=10)
+        answer.raise_for_status()
+        text = answer.text
         return {
             (sample.name, tuple(sorted(sample.labels.items()))): sample.value
             for family in text_string_to_metric_families(text)

@@ -8,7 +8,6 @@ import random
 import pytest
 import torch
 
-from kvwise.core.hashing import SHARED_TENANT
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import ContextLengthError, EngineCore
 from kvwise.engine.detokenizer import IncrementalText
@@ -59,23 +58,51 @@ def test_context_and_pool_limits_are_clear_errors(llama):
         core.encode([])
 
 
-def test_shared_opt_in_uses_the_shared_namespace(llama):
+def test_only_the_marked_segment_uses_the_shared_namespace(llama):
     core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=64))
-    prompt = list(range(10, 30))
-    first = core.make_request(prompt, SamplingParams(max_tokens=1), tenant="alice")
-    first.shared_prefix = True
+    system, rest = list(range(10, 22)), list(range(40, 48))  # 3 shared blocks, 2 private ones
+    first = core.make_request(system + rest, SamplingParams(max_tokens=1), tenant="alice")
+    first.shared_prefix_tokens = len(system)
     core.add(first)
     while core.has_work:
         core.step()
-    assert {node.tenant for node in core.tree.nodes()} == {SHARED_TENANT}
-    private = core.make_request(prompt, SamplingParams(max_tokens=1), tenant="bob")
-    opted_in = core.make_request(prompt, SamplingParams(max_tokens=1), tenant="bob")
-    opted_in.shared_prefix = True
+    assert {node.tenant for node in core.tree.nodes()} == {"alice"}  # charged to the writer's quota
+    private = core.make_request(system + rest, SamplingParams(max_tokens=1), tenant="bob")
+    opted_in = core.make_request(system + rest, SamplingParams(max_tokens=1), tenant="bob")
+    opted_in.shared_prefix_tokens = len(system)
     for request in (private, opted_in):
         core.add(request)
         while core.has_work:
             core.step()
-    assert private.reused == 0 and opted_in.reused == 16
+    assert private.reused == 0 and opted_in.reused == 12  # the segment, never alice's private rest
+
+
+def test_a_read_only_key_never_publishes_to_the_shared_namespace(llama):
+    core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=64))
+    prompt = list(range(10, 30))
+    reader = core.make_request(prompt, SamplingParams(max_tokens=1), tenant="dave")
+    reader.shared_prefix_tokens, reader.may_publish_shared = 12, False
+    core.add(reader)
+    while core.has_work:
+        core.step()
+    later = core.make_request(prompt, SamplingParams(max_tokens=1), tenant="erin")
+    later.shared_prefix_tokens = 12
+    core.add(later)
+    while core.has_work:
+        core.step()
+    assert later.reused == 0
+
+
+def test_block_keys_differ_between_servers_with_different_secrets(llama):
+    keys = []
+    for secret in (b"a" * 32, b"b" * 32):
+        core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=64), namespace_key=secret)
+        request = core.make_request(list(range(10, 30)), SamplingParams(max_tokens=1), tenant="alice")
+        core.add(request)
+        while core.has_work:
+            core.step()
+        keys.append({node.key for node in core.tree.nodes()})
+    assert keys[0] and not keys[0] & keys[1]
 
 
 class _CharTokenizer:

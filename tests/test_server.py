@@ -15,7 +15,13 @@ from tests.live_server import LiveServer
 pytestmark = pytest.mark.smollm
 
 MODEL = "SmolLM2-135M-Instruct"
-KEYS = {"alice": "sk-alice-0001", "bob": "sk-bob-0002", "carol": "sk-carol-0003"}
+KEYS = {
+    "alice": "sk-alice-0001",
+    "bob": "sk-bob-0002",
+    "carol": "sk-carol-0003",
+    "dave": "sk-dave-0005",
+    "ops": "sk-ops-0004",
+}
 # ~150 tokens, well over one 16-token block, so a reused prefix shows in the hit counters
 DOCUMENT = " ".join(f"Item {n} of the inventory is a {c} box." for n, c in enumerate(["red", "blue", "green"] * 6))
 
@@ -25,9 +31,21 @@ def server(tmp_path_factory):
     keys = tmp_path_factory.mktemp("keys") / "api_keys.txt"
     keys.write_text(
         "# key            tenant\n"
-        f"{KEYS['alice']} alice\n{KEYS['bob']} bob   # a comment after an entry\n\n{KEYS['carol']} carol shared\n"
+        f"{KEYS['alice']} alice shared-write\n{KEYS['bob']} bob   # a comment after an entry\n\n"
+        f"{KEYS['carol']} carol shared\n{KEYS['dave']} dave shared-read\n{KEYS['ops']} ops admin\n"
     )
-    live = LiveServer("--api-keys", str(keys), "--max-queue", "4", "--max-running", "2", "--num-blocks", "512")
+    live = LiveServer(
+        "--api-keys",
+        str(keys),
+        "--max-queue",
+        "4",
+        "--max-running",
+        "2",
+        "--num-blocks",
+        "512",
+        "--metrics-per-tenant",
+        metrics_key=KEYS["ops"],
+    )
     yield live
     assert live.stop() == 0
 
@@ -180,13 +198,27 @@ def test_tenants_do_not_share_prefixes_unless_they_opt_in(server):
     assert hits("bob") == 0  # bob never sees alice's blocks
     assert server.value("kvwise_prefix_cache_queries_tokens_total", tenant="bob") > 0
 
-    shared = f"A public system prompt. {DOCUMENT} Question: what is item 9?"
-    opt_in = {"X-KVWise-Shared-Prefix": "true"}
-    client(server, "alice", default_headers=opt_in).completions.create(model=MODEL, prompt=shared, max_tokens=1)
-    client(server, "bob", default_headers=opt_in).completions.create(model=MODEL, prompt=shared, max_tokens=1)
-    assert hits("bob") >= 128  # both opted in: bob reuses the shared prefix
-    client(server, "carol").completions.create(model=MODEL, prompt=shared, max_tokens=1)
-    assert hits("carol") >= 128  # carol's key opts in by its `shared` setting
+    # the shared namespace holds only the marked segment (128 tokens), never the rest of a prompt
+    system = f"A public system prompt. {DOCUMENT}"
+    marked = {"kv_prefix": {"tokens": 128, "shared": True}}
+    rest = " Question: what is item 9?"
+    client(server, "alice").completions.create(model=MODEL, prompt=system + rest, max_tokens=1, extra_body=marked)
+    before = hits("dave")
+    client(server, "dave").completions.create(model=MODEL, prompt=system + rest, max_tokens=1, extra_body=marked)
+    assert hits("dave") - before == 128  # the shared segment, and not alice's private rest
+    with pytest.raises(openai.PermissionDeniedError):  # bob's key has no shared permission
+        client(server, "bob").completions.create(model=MODEL, prompt=system, max_tokens=1, extra_body=marked)
+    before = hits("carol")
+    tokens_only = {"kv_prefix": {"tokens": 128}}  # carol's key is `shared`: the marked segment is shared
+    client(server, "carol").completions.create(model=MODEL, prompt=system + " Hi", max_tokens=1, extra_body=tokens_only)
+    assert hits("carol") - before == 128
+
+
+def test_metrics_need_an_admin_key(server):
+    assert httpx.get(f"{server.base_url}/metrics", timeout=10).status_code == 401
+    bob = {"Authorization": f"Bearer {KEYS['bob']}"}
+    assert httpx.get(f"{server.base_url}/metrics", headers=bob, timeout=10).status_code == 403
+    assert server.metrics()  # the admin key reads them
 
 
 def test_concurrent_requests_and_a_full_queue(server):

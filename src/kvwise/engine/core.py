@@ -18,6 +18,7 @@ import torch
 
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.radix import RadixCache
+from kvwise.core.secret_keys import load_or_create_key
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.detokenizer import IncrementalText
 from kvwise.engine.kv_settings import KVSettings
@@ -74,10 +75,12 @@ class EngineCore:
         cache_config: CacheConfig | None = None,
         tiers: Sequence[Tier] = (),
         cpu_kernel: bool = True,
+        namespace_key: bytes | None = None,
     ):
         """tiers: where evicted prefix-cache blocks go and come back from (HostTier, DiskTier,
         RedisTier, searched in that order); needs prefix caching. cpu_kernel=False keeps SDPA and
-        torch's linear on CPU (as KVWISE_CPU_KERNEL=0 does)."""
+        torch's linear on CPU (as KVWISE_CPU_KERNEL=0 does). namespace_key keys every block's
+        identity (default: the key file under $KVWISE_HOME/secrets, made on first use)."""
         self.model, self.tokenizer = model, tokenizer
         self.cache_config = config = cache_config or CacheConfig()
         self.max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -98,7 +101,12 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.pool,
             self.tree,
-            default_namespace(shape.model_id, str(shape.dtype)),
+            default_namespace(
+                shape.model_id,
+                str(shape.dtype),
+                namespace_key if namespace_key is not None else load_or_create_key(None, "namespace"),
+                config.block_size,
+            ),
             config.token_budget,
             config.max_running,
             swap=self.swap,

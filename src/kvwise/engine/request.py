@@ -28,7 +28,10 @@ class Request:
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
     tenant: str = "default"
-    shared_prefix: bool = False  # look up and cache prefixes in the opt-in shared namespace
+    # leading prompt tokens marked shared (a system prompt): looked up in, and published to, the
+    # shared namespace; the rest of the prompt and the output stay in the tenant's own
+    shared_prefix_tokens: int = 0
+    may_publish_shared: bool = True  # False: a read-only key uses shared blocks others published
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.monotonic)
     status: Status = Status.WAITING

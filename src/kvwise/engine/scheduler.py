@@ -23,7 +23,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvwise.core.block_pool import BlockPool
-from kvwise.core.hashing import SHARED_TENANT, Namespace
+from kvwise.core.hashing import Namespace
 from kvwise.core.radix import RadixCache
 from kvwise.engine.request import Request, Status
 from kvwise.kv.prefix_tiers import PrefixTiers
@@ -106,7 +106,7 @@ class Scheduler:
         self.running.remove(request)
         if self.tree is not None and not self._compresses(request):
             full = request.computed // self.block_size * self.block_size
-            self.tree.insert(request.tokens[:full], request.blocks, self.namespace_of(request))
+            self._insert(request, request.tokens[:full])
         self._release(request)
         request.status = Status.FINISHED
 
@@ -207,7 +207,17 @@ class Scheduler:
             # cache prompt blocks as soon as they are computed, so requests running at the same
             # time share them (as vLLM and SGLang do), not only those that come after this one ends
             full = min(chunk.end, len(request.prompt)) // self.block_size * self.block_size
-            self.tree.insert(request.prompt[:full], request.blocks, self.namespace_of(request))
+            self._insert(request, request.prompt[:full])
+
+    def _insert(self, request: Request, tokens: list[int]) -> None:
+        """Cache a request's computed full blocks; a key that may only read the shared namespace
+        caches nothing while its shared segment is not published there already."""
+        namespace = self.namespace_of(request)
+        segment = request.shared_prefix_tokens // self.block_size * self.block_size
+        if segment and not request.may_publish_shared:
+            if self.tree.match_prefix(tokens[:segment], namespace, touch=False).length < min(segment, len(tokens)):
+                return
+        self.tree.insert(tokens, request.blocks, namespace)
 
     def _schedule_prefill(self, request: Request, budget: int, step: Step) -> int:
         if budget == 0 or request not in self.running:
@@ -365,7 +375,12 @@ class Scheduler:
             self.release_quantized(request, [-1 - block for block in blocks if block < 0])
 
 
-def default_namespace(model_id: str, kv_format: str = ""):
-    """namespace_of for a scheduler: each request's own tenant, or the shared namespace when the
-    request opted in (X-KVWise-Shared-Prefix)."""
-    return lambda request: Namespace(model_id, SHARED_TENANT if request.shared_prefix else request.tenant, kv_format)
+def default_namespace(model_id: str, kv_format: str = "", secret: bytes = b"", block_size: int = 16):
+    """namespace_of for a scheduler: each request's own tenant's namespace, keyed with the server's
+    secret, with its marked leading segment (whole blocks of it) in the shared namespace."""
+
+    def namespace_of(request):
+        own = Namespace(model_id, request.tenant, kv_format, secret)
+        return own.with_shared_prefix(request.shared_prefix_tokens // block_size)
+
+    return namespace_of

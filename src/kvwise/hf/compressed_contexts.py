@@ -17,6 +17,7 @@ import safetensors.torch
 import torch
 
 from kvwise.core.hashing import ROOT_KEY, Namespace, block_key
+from kvwise.core.secret_keys import load_or_create_key
 from kvwise.hf.cache import KVWiseCache
 from kvwise.hf.geometry import kv_geometry
 from kvwise.hf.layer import CompressingLayer
@@ -40,8 +41,10 @@ STORE_FIELDS = (
 
 
 class CompressedContexts:
-    def __init__(self, tier: Tier, tenant: str = "default", shared: bool = False):
+    def __init__(self, tier: Tier, tenant: str = "default", shared: bool = False, namespace_key: bytes | None = None):
+        """namespace_key: keys the entries' names (default: the key file under $KVWISE_HOME/secrets)."""
         self.tier, self.tenant, self.shared = tier, tenant, shared
+        self.secret = namespace_key if namespace_key is not None else load_or_create_key(None, "namespace")
         self.hits = self.misses = 0
 
     def key(self, model, context_ids: torch.Tensor, policy, ratio: float, quant, **policy_kwargs) -> bytes:
@@ -49,7 +52,7 @@ class CompressedContexts:
         shape = kv_geometry(model)
         policy = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy
         kv_format = f"{shape.dtype}/{quant_label(quant)}/{policy!r}@{ratio}"
-        namespace = Namespace(shape.model_id, self.tenant, kv_format)
+        namespace = Namespace(shape.model_id, self.tenant, kv_format, self.secret)
         namespace = namespace.shared() if self.shared else namespace
         return block_key(ROOT_KEY, context_ids.flatten().tolist(), namespace.digest())
 

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 import torch
 
+from kvwise.hf.fingerprint import weights_fingerprint
+
 PROBE_NAME = "kvwise_probe"
 # Layer types that are softmax attention over a KV cache (transformers' `config.layer_types`).
 ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention"}
@@ -32,7 +34,7 @@ class KVGeometry:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    model_id: str  # the model's name or path: part of every block key's namespace
+    model_id: str  # a fingerprint of the weights (hf.fingerprint): part of every block key's namespace
     windows: tuple[int | None, ...] = ()  # per layer: the sliding window, None for full attention
 
     @property
@@ -79,7 +81,7 @@ def kv_geometry(model) -> KVGeometry:
             "kvwise's paged pool holds one shape for every layer"
         )
     (num_kv_heads, head_dim), = shapes
-    model_id = str(getattr(config, "_name_or_path", "") or type(model).__name__)
+    model_id = weights_fingerprint(model)  # names the KV on every tier: the weights, not the path
     dtype = next(model.parameters()).dtype
     windows = tuple(seen[layer][2] for layer in range(layers))
     model._kvwise_attention_shapes = seen

@@ -25,6 +25,7 @@ from transformers import DynamicCache
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.hashing import Namespace, chain_keys
 from kvwise.core.radix import RadixCache
+from kvwise.core.secret_keys import load_or_create_key
 from kvwise.hf.geometry import kv_geometry, paged_storage_for
 from kvwise.kv.prefix_tiers import PrefixTiers, ReuseStats
 from kvwise.tiers.base import Tier
@@ -40,6 +41,8 @@ class PrefixReuse:
     block_size: tokens per block.
     device_blocks: blocks in the device pool (preallocated on the model's device).
     tiers: lower tiers, searched in order.
+    namespace_key: the secret that keys block identities (default: the key file under
+        $KVWISE_HOME/secrets, shared with the server's default).
     """
 
     def __init__(
@@ -51,10 +54,12 @@ class PrefixReuse:
         device_blocks: int = 256,
         tiers: list[Tier] | tuple[Tier, ...] = (),
         eviction: str = "lru",
+        namespace_key: bytes | None = None,
     ):
         shape = kv_geometry(model)
         self.model, self.block_size, self.num_layers = model, block_size, shape.num_layers
-        namespace = Namespace(shape.model_id, tenant, str(shape.dtype))
+        secret = namespace_key if namespace_key is not None else load_or_create_key(None, "namespace")
+        namespace = Namespace(shape.model_id, tenant, str(shape.dtype), secret)
         self.namespace = namespace.shared() if shared else namespace
         self.pool = BlockPool(device_blocks, block_size)
         self.storage = paged_storage_for(model, device_blocks, block_size)

@@ -1,8 +1,12 @@
-"""The `--api-keys` file: one `KEY TENANT [shared]` entry per line; `#` starts a comment.
+"""The `--api-keys` file: one `KEY TENANT [PERMISSION ...]` entry per line; `#` starts a comment.
 
-Each key maps to a tenant whose cached prefixes are isolated from every other tenant's. The
-optional third word `shared` makes that key's requests use the shared prefix namespace by
-default (as the X-KVWise-Shared-Prefix header does per request).
+Each key maps to a tenant whose cached prefixes are isolated from every other tenant's.
+Permissions, after the tenant:
+- `admin`: may scrape `/metrics`;
+- `shared-read`: may look up prefixes in the shared namespace (a system prompt many tenants send);
+- `shared-write`: may publish a marked leading segment (`kv_prefix`) to the shared namespace;
+- `shared`: both shared permissions, and the key's requests use the shared namespace by default
+  (as the `X-KVWise-Shared-Prefix: true` header asks per request).
 """
 
 from __future__ import annotations
@@ -13,11 +17,16 @@ from pathlib import Path
 
 from kvwise.core.hashing import SHARED_TENANT
 
+PERMISSIONS = ("admin", "shared-read", "shared-write", "shared")
+
 
 @dataclass(frozen=True)
 class KeyEntry:
     tenant: str
-    shared_prefix: bool = False
+    shared_prefix: bool = False  # `shared`: the shared namespace by default
+    admin: bool = False
+    shared_read: bool = False
+    shared_write: bool = False
 
 
 def load_api_keys(path: str | Path) -> dict[str, KeyEntry]:
@@ -31,13 +40,24 @@ def load_api_keys(path: str | Path) -> dict[str, KeyEntry]:
         words = line.split("#", 1)[0].split()
         if not words:
             continue
-        if len(words) not in (2, 3) or (len(words) == 3 and words[2] != "shared"):
-            raise ValueError(f"{path}:{number}: expected `KEY TENANT` or `KEY TENANT shared`, got {line.strip()!r}")
+        unknown = [word for word in words[2:] if word not in PERMISSIONS]
+        if len(words) < 2 or unknown:
+            raise ValueError(
+                f"{path}:{number}: expected `KEY TENANT [{' | '.join(PERMISSIONS)} ...]`, got {line.strip()!r}"
+            )
         if words[1] == SHARED_TENANT:
             raise ValueError(f"{path}:{number}: {SHARED_TENANT!r} is the shared namespace, not a tenant name")
         if words[0] in keys:
             raise ValueError(f"{path}:{number}: the key is listed twice")
-        keys[words[0]] = KeyEntry(words[1], len(words) == 3)
+        granted = set(words[2:])
+        shared = "shared" in granted
+        keys[words[0]] = KeyEntry(
+            words[1],
+            shared_prefix=shared,
+            admin="admin" in granted,
+            shared_read=shared or "shared-read" in granted,
+            shared_write=shared or "shared-write" in granted,
+        )
     if not keys:
         raise ValueError(f"the API key file {str(path)!r} holds no keys")
     return keys

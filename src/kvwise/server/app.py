@@ -9,6 +9,7 @@ queue (with Retry-After), 503 while shutting down.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import time
 from contextlib import asynccontextmanager
@@ -27,6 +28,7 @@ from kvwise.hf.chat_template import NO_TEMPLATE_SERVER_HINT, has_chat_template, 
 from kvwise.kv.quantizer import make_quantizer, quantizer_names
 from kvwise.server.api_keys import KeyEntry, find_key
 from kvwise.server.async_engine import AsyncEngine, EngineFailure
+from kvwise.server.metrics import ServerMetrics
 from kvwise.server.openai_format import Formatter
 from kvwise.server.protocol import ChatRequest, CompletionRequest, OpenAIError
 
@@ -43,13 +45,24 @@ class ServerSettings:
     chat_template: str | None = None  # Jinja text from --chat-template; None: the tokenizer's own
     # canonical quantizer specs requests may ask for (--kv-quant-options); each gets one pool
     kv_quant_options: frozenset[str] = field(default_factory=lambda: default_kv_quant_options())
+    metrics_key: str | None = None  # --metrics-key: another key that may scrape /metrics
+    metrics_per_tenant: bool = False  # label prefix-cache counters by tenant
+    metrics_max_tenants: int = 32  # tenants with a label of their own; the rest are "other"
+    fair_queue: bool = True  # each active tenant holds at most an equal share of the queue
+
+    @property
+    def metrics_keys(self) -> list[str]:
+        admins = [key for key, entry in (self.api_keys or {}).items() if entry.admin]
+        return admins + ([self.metrics_key] if self.metrics_key else [])
     disconnect_poll_seconds: float = 0.25
 
 
 @dataclass
 class Caller:
     tenant: str
-    shared_prefix: bool
+    shared_prefix: bool  # asked for the shared namespace (header, or the key's `shared` default)
+    may_read_shared: bool = True
+    may_write_shared: bool = True
 
 
 def default_kv_quant_options() -> frozenset[str]:
@@ -91,7 +104,8 @@ def check_json_values(data, max_depth: int = 64) -> None:
 
 
 def create_app(core: EngineCore, settings: ServerSettings) -> FastAPI:
-    engine = AsyncEngine(core, settings.max_queue)
+    metrics = ServerMetrics(core, settings.metrics_per_tenant, settings.metrics_max_tenants)
+    engine = AsyncEngine(core, settings.max_queue, metrics, fair=settings.fair_queue)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -100,7 +114,7 @@ def create_app(core: EngineCore, settings: ServerSettings) -> FastAPI:
         await engine.drain()  # uvicorn has stopped accepting; let what runs finish
 
     app = FastAPI(title="kvwise", lifespan=lifespan)
-    app.state.engine = engine
+    app.state.engine, app.state.settings = engine, settings
     handlers = _Handlers(core, engine, settings)
 
     @app.exception_handler(OpenAIError)
@@ -135,7 +149,8 @@ def create_app(core: EngineCore, settings: ServerSettings) -> FastAPI:
         return {"status": "ok", "running": len(core.scheduler.running), "waiting": engine.queue_depth}
 
     @app.get("/metrics")
-    async def metrics():
+    async def metrics(request: Request):
+        handlers.check_metrics_access(request)
         return PlainTextResponse(engine.metrics.render(), media_type="text/plain; version=0.0.4")
 
     @app.get("/v1/models")
@@ -175,7 +190,22 @@ class _Handlers:
         entry = find_key(self.settings.api_keys, key.strip())
         if entry is None:
             raise OpenAIError(401, "invalid API key", code="invalid_api_key")
-        return Caller(entry.tenant, shared or (entry.shared_prefix and header == ""))
+        return Caller(
+            entry.tenant, shared or (entry.shared_prefix and header == ""), entry.shared_read, entry.shared_write
+        )
+
+    def check_metrics_access(self, request: Request) -> None:
+        """With API keys, /metrics needs an admin key (or --metrics-key): it describes every tenant's load."""
+        allowed = self.settings.metrics_keys
+        if self.settings.api_keys is None and not allowed:
+            return
+        scheme, _, key = request.headers.get("authorization", "").partition(" ")
+        key = key.strip()
+        if scheme.lower() != "bearer" or not key:
+            message = "/metrics needs an admin key: send `Authorization: Bearer KEY`"
+            raise OpenAIError(401, message, code="invalid_api_key")
+        if not any(hmac.compare_digest(key.encode(), admin.encode()) for admin in allowed):
+            raise OpenAIError(403, "this key may not read /metrics (it needs `admin` in the key file)")
 
     # ---- one API call --------------------------------------------------------------------------
     async def run(self, http: Request, chat: bool) -> Response:
@@ -192,12 +222,14 @@ class _Handlers:
         prompts = self._chat_prompts(body) if chat else self._completion_prompts(body)
         params = self._sampling(body, chat, max(map(len, prompts)))
         kv = self._kv_settings(body)
+        shared_tokens = self._shared_tokens(body, caller, chat, prompts)
         requests = []
         for prompt_index, token_ids in enumerate(prompts):
             try:
                 for index in range(params.n):
                     request = self.core.make_request(token_ids, params, index, tenant=caller.tenant, kv=kv)
-                    request.shared_prefix = caller.shared_prefix
+                    request.shared_prefix_tokens = shared_tokens
+                    request.may_publish_shared = caller.may_write_shared
                     request.choice = prompt_index * params.n + index
                     requests.append(request)
             except ValueError as error:
@@ -244,6 +276,49 @@ class _Handlers:
             field = ".".join(str(part) for part in first["loc"])
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()[:5])
             raise OpenAIError(422, f"invalid request: {problems}", param=field or None, code="invalid_field") from None
+
+    def _shared_tokens(self, body, caller: Caller, chat: bool, prompts: list[list[int]]) -> int:
+        """Leading prompt tokens to keep in the shared namespace: the `kv_prefix` segment when it
+        is marked shared (or the key or header asks for sharing); for chat without a `kv_prefix`,
+        the leading system and developer messages. Never the rest of the prompt, nor the output."""
+        marked = body.kv_prefix
+        wanted = caller.shared_prefix or (marked is not None and marked.shared)
+        if not wanted:
+            return 0
+        if not (caller.may_read_shared or caller.may_write_shared):
+            raise OpenAIError(403, "this key may not use the shared namespace", param="kv_prefix")
+        if marked is not None and (marked.messages is None) == (marked.tokens is None):
+            raise OpenAIError(400, "kv_prefix takes exactly one of `messages` and `tokens`", param="kv_prefix")
+        if marked is not None and marked.tokens is not None:
+            longest = min(map(len, prompts))
+            if marked.tokens > longest:
+                raise OpenAIError(
+                    400, f"kv_prefix.tokens is {marked.tokens}, the prompt has {longest} tokens", param="kv_prefix"
+                )
+            return marked.tokens
+        if not chat:
+            if marked is not None:
+                raise OpenAIError(400, "kv_prefix.messages needs /v1/chat/completions; use tokens", param="kv_prefix")
+            return 0
+        if marked is not None:
+            count = marked.messages
+        else:
+            count = next((i for i, m in enumerate(body.messages) if m.role not in ("system", "developer")), 0)
+        if count > len(body.messages):
+            raise OpenAIError(400, f"kv_prefix.messages is {count}, the request has {len(body.messages)}")
+        if count == 0:
+            return 0
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages[:count]]
+        template = self.settings.chat_template
+        head = self.core.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+        head_ids = self.core.encode(head, add_special_tokens=False) if head else []
+        if prompts[0][: len(head_ids)] != head_ids:
+            raise OpenAIError(
+                400,
+                f"the chat template does not render the first {count} messages as a prefix of the prompt",
+                param="kv_prefix",
+            )
+        return len(head_ids)
 
     def _check_request_count(self, body, chat: bool) -> None:
         """`n` completions of each prompt are `n x prompts` engine requests; more than the queue

@@ -26,10 +26,12 @@ class EngineFailure(Exception):
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, max_queue: int = 256, metrics: ServerMetrics | None = None):
+    def __init__(self, core: EngineCore, max_queue: int = 256, metrics: ServerMetrics | None = None, fair: bool = True):
+        """fair: each active tenant may hold at most an equal share of the queue, so one tenant
+        cannot fill it; the tenant over its share gets the 429."""
         if max_queue < 1:
             raise ValueError(f"--max-queue must be >= 1, got {max_queue}")
-        self.core, self.max_queue = core, max_queue
+        self.core, self.max_queue, self.fair = core, max_queue, fair
         self.metrics = metrics or ServerMetrics(core)
         self.accepting = True
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -37,6 +39,7 @@ class AsyncEngine:
         self._pending_lock = threading.Lock()
         self._wake = threading.Event()
         self._queues: dict[Request, asyncio.Queue] = {}
+        self._queued_tenants: dict[Request, str] = {}  # submitted and not yet admitted to run
         self._stopping = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread = threading.Thread(target=self._run, name="kvwise-engine", daemon=True)
@@ -67,14 +70,39 @@ class AsyncEngine:
                 code="queue_full",
                 headers={"Retry-After": "1"},
             )
+        tenant = requests[0].tenant if requests else None
+        if self.fair and tenant is not None:
+            queued, active = self._queued_by_tenant()
+            share = max(1, self.max_queue // len(active | {tenant}))
+            if queued.get(tenant, 0) + len(requests) > share:
+                self.metrics.rejected.inc()
+                raise OpenAIError(
+                    429,
+                    f"this tenant already has {queued.get(tenant, 0)} requests waiting, its fair share of the "
+                    f"queue is {share}; retry shortly",
+                    code="tenant_queue_full",
+                    headers={"Retry-After": "1"},
+                )
         events: asyncio.Queue = asyncio.Queue()
         for request in requests:
             self._queues[request] = events
+            self._queued_tenants[request] = request.tenant
         with self._pending_lock:
             self._pending_adds += len(requests)
         self._commands.put(("add", requests))
         self._wake.set()
         return events
+
+    def _queued_by_tenant(self) -> tuple[dict[str, int], set[str]]:
+        """({tenant: requests not yet running}, tenants with any request in the server)."""
+        running = {request.tenant for request in list(self.core.scheduler.running)}
+        queued: dict[str, int] = {}
+        for request, tenant in list(self._queued_tenants.items()):
+            if request.status.value == "waiting" and not request.preemptions and not request.done:
+                queued[tenant] = queued.get(tenant, 0) + 1
+            else:
+                self._queued_tenants.pop(request, None)
+        return queued, running | set(queued)
 
     def abort(self, requests: list[Request]) -> None:
         """Cancel requests (a client went away); their blocks are freed on the engine thread."""

@@ -2,7 +2,7 @@
 
 Counters and histograms are updated by the engine thread as requests are admitted, produce
 tokens and finish; gauges of state (pool, queue, tree) are read when Prometheus scrapes.
-Prefix-cache queries and hits are labelled by tenant, so isolation can be checked from outside.
+Prefix-cache queries and hits are labelled by tenant only when asked (`--metrics-per-tenant`).
 """
 
 from __future__ import annotations
@@ -18,8 +18,18 @@ from kvwise.engine.request import Request
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
 
 
+OTHER_TENANTS = "other"
+ALL_TENANTS = "all"
+
+
 class ServerMetrics:
-    def __init__(self, core: EngineCore):
+    """per_tenant: label prefix-cache counters by tenant (off by default: a scrape would show each
+    tenant's prompt and hit volumes); at most `max_tenants` tenants get a label of their own, the
+    rest count as "other", so the label set stays bounded whatever names clients bring."""
+
+    def __init__(self, core: EngineCore, per_tenant: bool = False, max_tenants: int = 32):
+        self.per_tenant, self.max_tenants = per_tenant, max_tenants
+        self._labelled: set[str] = set()
         disable_created_metrics()  # no `_created` twin for every counter: half the text, same information
         self.core = core
         self.registry = registry = CollectorRegistry()
@@ -56,9 +66,18 @@ class ServerMetrics:
         """Count a request's prefix lookup once, at its first admission (not again after a preemption)."""
         if request.request_id not in self._counted:
             self._counted.add(request.request_id)
-            self.queries.labels(request.tenant).inc(len(request.prompt))
-            self.hits.labels(request.tenant).inc(request.reused)
+            tenant = self.tenant_label(request.tenant)
+            self.queries.labels(tenant).inc(len(request.prompt))
+            self.hits.labels(tenant).inc(request.reused)
             self.prompt_tokens.inc(len(request.prompt))
+
+    def tenant_label(self, tenant: str) -> str:
+        if not self.per_tenant:
+            return ALL_TENANTS
+        if tenant in self._labelled or len(self._labelled) < self.max_tenants:
+            self._labelled.add(tenant)
+            return tenant
+        return OTHER_TENANTS
 
     def on_token(self, event: TokenEvent) -> None:
         request = event.request

@@ -21,6 +21,7 @@ class OpenAIError(Exception):
         404: "not_found_error",
         413: "invalid_request_error",
         422: "invalid_request_error",
+        403: "permission_error",
         429: "rate_limit_error",
         503: "service_unavailable",
     }
@@ -43,8 +44,20 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+class KVPrefix(_Strict):
+    """A leading segment of the request: the first `messages` chat messages, or the first `tokens`
+    prompt tokens. `shared: true` looks it up in, and publishes it to, the shared namespace (a
+    system prompt every tenant sends); the rest of the request stays private."""
+
+    messages: int | None = Field(default=None, ge=1)
+    tokens: int | None = Field(default=None, ge=1)
+    shared: bool = False
+
+
 class KVOptions(_Strict):
     """kvwise's per-request KV settings (send them with the OpenAI client's `extra_body`)."""
+
+    kv_prefix: KVPrefix | None = None
 
     kv_policy: str | None = None
     kv_ratio: float | None = None

@@ -53,6 +53,20 @@ def add_serve_arguments(parser) -> None:
         help="comma list of the kv_quant values requests may ask for, each with its own pool "
         "(default: kivi2,kivi4,int8,fp8 with default settings; none: no kv_quant)",
     )
+    parser.add_argument(
+        "--namespace-key-file",
+        default=None,
+        help="hex key(s) that key every cached block's identity, first line signing "
+        "(default: generated on first start under $KVWISE_HOME/secrets)",
+    )
+    parser.add_argument("--metrics-key", default=None, help="a key that may scrape /metrics, besides `admin` keys")
+    parser.add_argument(
+        "--metrics-per-tenant", action="store_true", help="label prefix-cache counters by tenant (default: off)"
+    )
+    parser.add_argument("--metrics-max-tenants", type=int, default=32, help="tenants labelled; the rest are `other`")
+    parser.add_argument(
+        "--no-fair-queue", action="store_true", help="let one tenant fill the whole queue (default: equal shares)"
+    )
     parser.add_argument("--default-max-tokens", type=int, default=256, help="for chat requests without max_tokens")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
     parser.add_argument("--log-level", default="info")
@@ -60,6 +74,7 @@ def add_serve_arguments(parser) -> None:
 
 def build_app(args):
     """The app for parsed `serve` arguments (also used by tests, without uvicorn's CLI)."""
+    from kvwise.core.secret_keys import load_or_create_key
     from kvwise.engine.core import EngineCore
     from kvwise.hf.chat_template import load_chat_template
     from kvwise.models import load_model
@@ -81,7 +96,9 @@ def build_app(args):
     tiers = prefix_tiers(args)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     name = args.served_model_name or (EMBEDDED_NAME if args.model is None else Path(args.model.rstrip("/")).name)
-    core = EngineCore(model, tokenizer, cache, tiers)
+    core = EngineCore(
+        model, tokenizer, cache, tiers, namespace_key=load_or_create_key(args.namespace_key_file, "namespace")
+    )
     settings = ServerSettings(
         name,
         keys,
@@ -89,6 +106,10 @@ def build_app(args):
         default_max_tokens=args.default_max_tokens,
         chat_template=load_chat_template(args.chat_template),
         kv_quant_options=parse_kv_quant_options(args.kv_quant_options),
+        metrics_key=args.metrics_key,
+        metrics_per_tenant=args.metrics_per_tenant,
+        metrics_max_tenants=args.metrics_max_tenants,
+        fair_queue=not args.no_fair_queue,
     )
     return create_app(core, settings)
 

@@ -1,0 +1,196 @@
+"""A hostile client against a live server on the embedded model (in-process uvicorn on loopback,
+the official `openai` client and raw HTTP): every poison input gets a specific 4xx or is made safe,
+and a canary stream of another tenant decoding beside it finishes intact."""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from kvwise.engine.config import CacheConfig
+from kvwise.engine.core import EngineCore
+from kvwise.server.api_keys import load_api_keys
+from kvwise.server.app import ServerSettings, create_app
+from tests.inprocess_server import InProcessServer
+
+pytestmark = pytest.mark.smollm
+
+MODEL = "SmolLM2-135M-Instruct"
+KEYS = {"alice": "sk-alice-1", "bob": "sk-bob-2"}
+CANARY_PROMPT = "Write a long list of fruits, one per line:"
+
+
+@pytest.fixture(scope="module")
+def server(smollm, tmp_path_factory):
+    model, tokenizer = smollm
+    keys = tmp_path_factory.mktemp("keys") / "keys.txt"
+    keys.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
+    core = EngineCore(model, tokenizer, CacheConfig(num_blocks=512))
+    live = InProcessServer(create_app(core, ServerSettings(MODEL, load_api_keys(str(keys)), max_queue=16)))
+    yield live
+    live.stop()
+
+
+def client(tenant="alice") -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server_url}/v1", api_key=KEYS[tenant], max_retries=0, timeout=120)
+
+
+server_url = ""
+
+
+@pytest.fixture(autouse=True)
+def _url(server):
+    global server_url
+    server_url = server.base_url
+
+
+class Canary:
+    """A greedy stream of bob's, started before the poison and read to its end in a thread."""
+
+    def __init__(self, tokens: int = 48):
+        self.text, self.finish, self.error, self.started = "", None, None, threading.Event()
+        self.expected_tokens = tokens
+        self.thread = threading.Thread(target=self._run, daemon=True)
+        self.thread.start()
+        self.started.wait(120)
+
+    def _run(self):
+        try:
+            stream = client("bob").completions.create(
+                model=MODEL, prompt=CANARY_PROMPT, max_tokens=self.expected_tokens, temperature=0,
+                stream=True, extra_body={"ignore_eos": True},
+            )
+            for chunk in stream:
+                self.started.set()
+                self.text += chunk.choices[0].text
+                self.finish = chunk.choices[0].finish_reason or self.finish
+        except Exception as error:  # noqa: BLE001 - reported by the test
+            self.error = error
+            self.started.set()
+
+    def result(self):
+        self.thread.join(180)
+        return self.error, self.finish, self.text
+
+
+@pytest.fixture(scope="module")
+def canary_text(server):
+    """What the canary says when nobody disturbs it (greedy: the same every time)."""
+    error, finish, text = Canary().result()
+    assert error is None and finish == "length"
+    return text
+
+
+def raw(path: str, body: bytes, tenant="alice") -> httpx.Response:
+    headers = {"Authorization": f"Bearer {KEYS[tenant]}", "Content-Type": "application/json"}
+    return httpx.post(f"{server_url}{path}", content=body, headers=headers, timeout=60)
+
+
+ACCEPTED_POISON = {  # values that used to crash a step: now safe, the request is answered
+    "temperature 1e-40": {"temperature": 1e-40},
+    "temperature 5e-324": {"temperature": 5e-324},
+    "top_p 1e-300": {"top_p": 1e-300, "temperature": 1.0},
+}
+
+
+@pytest.mark.parametrize("name", sorted(ACCEPTED_POISON))
+def test_values_that_broke_the_step_are_safe_beside_a_canary(server, canary_text, name):
+    canary = Canary()
+    answer = client().completions.create(
+        model=MODEL, prompt="The capital of France is", max_tokens=24, extra_body={"ignore_eos": True},
+        **ACCEPTED_POISON[name],
+    )
+    assert answer.choices[0].finish_reason == "length"
+    error, finish, text = canary.result()
+    assert error is None and finish == "length" and text == canary_text
+    shared = [
+        record for record in server.engine.core.step_log
+        if len(record.chunks) >= 2 and any(end - start == 1 for _, start, end in record.chunks)
+    ]
+    assert shared, "the canary never decoded in a step with another request"
+
+
+REFUSED_POISON = {
+    "kv_quant that does not fit": ({"kv_quant": "kivi4:value_group_size=7"}, 400, "value group|not enabled"),
+    "a quantizer spelling not enabled": ({"kv_quant": "kivi4:group_size=16"}, 400, "not enabled on this server"),
+    "n of a billion": ({"n": 10**9}, 400, "more than this server queues"),
+    "too many stop strings": ({"stop": [f"s{i}" for i in range(17)]}, 400, "at most 16 stop strings"),
+    "a stop string too long": ({"stop": ["x" * 300]}, 400, "at most 256 characters"),
+    "infinite temperature": ({"temperature": 1e400}, 400, "temperature"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(REFUSED_POISON))
+def test_poison_values_get_a_specific_4xx_and_the_canary_goes_on(server, canary_text, name):
+    fields, status, message = REFUSED_POISON[name]
+    canary = Canary()
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 4, **fields}
+    answer = raw("/v1/completions", json.dumps(body).replace("Infinity", "1e400").encode())
+    assert answer.status_code == status, answer.text
+    assert re.search(message, answer.json()["error"]["message"]), answer.text
+    error, finish, canary_out = canary.result()
+    assert error is None and canary_out == canary_text
+
+
+MALFORMED = {
+    "10k nested lists": b'{"model": "' + MODEL.encode() + b'", "prompt": ' + b"[" * 10000 + b"]" * 10000 + b"}",
+    "surrogate in prompt": json.dumps({"model": MODEL, "prompt": "a\ud800b"}).encode(),
+    "surrogate in model": json.dumps({"model": "x\udfff", "prompt": "a"}).encode(),
+    "surrogate in a key": b'{"model": "' + MODEL.encode() + b'", "prompt": "a", "\\ud800": 1}',
+    "invalid utf-8": b'{"model": "' + MODEL.encode() + b'", "prompt": "\xff\xfe"}',
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_malformed_bodies_get_4xx_never_a_500_or_a_reset(server, name):
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        answer = raw(path, MALFORMED[name])
+        assert 400 <= answer.status_code < 500, (path, answer.status_code, answer.text)
+        assert answer.json()["error"]["message"]
+
+
+def test_surrogates_in_chat_content_get_400(server):
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi \udc00"}]}).encode()
+    answer = raw("/v1/chat/completions", body)
+    assert answer.status_code == 400 and "surrogate" in answer.json()["error"]["message"]
+
+
+def test_a_thousand_quantizer_spellings_build_at_most_the_allowed_pools(server):
+    # 200 spellings of the default kivi4 (repeated options, case) and 800 of quantizers not enabled
+    same = [("KIVI4" if i % 2 else "kivi4") + ":sink_tokens=1" * i for i in range(200)]
+    other = [f"kivi4:group_size={2 ** (i % 4)}:residual_length={64 * (1 + i)}" for i in range(800)]
+    statuses = {}
+    for spelling in same + other:
+        body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "kv_quant": spelling}
+        status = raw("/v1/completions", json.dumps(body).encode()).status_code
+        statuses[status] = statuses.get(status, 0) + 1
+    assert statuses == {200: 200, 400: 800}
+    assert len(server.engine.core.quant_pools) <= 1  # one pool: the canonical kivi4
+
+
+def test_n_of_a_billion_is_refused_at_once_and_health_stays_fast(server):
+    def health_latency() -> float:
+        started = time.perf_counter()
+        assert httpx.get(f"{server_url}/health", timeout=10).status_code == 200
+        return time.perf_counter() - started
+
+    before = statistics.median(health_latency() for _ in range(5))
+    body = json.dumps({"model": MODEL, "prompt": ["a", "b"], "n": 10**9, "max_tokens": 1}).encode()
+    started = time.perf_counter()
+    answer = raw("/v1/completions", body)
+    elapsed = time.perf_counter() - started
+    after = statistics.median(health_latency() for _ in range(5))
+    assert answer.status_code == 400 and elapsed < 0.1, (answer.status_code, elapsed)
+    assert after < max(0.05, 3 * before)
+
+
+def test_health_live_and_ready(server):
+    for path in ("/health", "/health/live", "/health/ready"):
+        assert httpx.get(f"{server_url}{path}", timeout=10).status_code == 200

@@ -7,12 +7,15 @@ ones (streams included) for up to --shutdown-timeout seconds, then the engine dr
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import hmac
 import logging
 from pathlib import Path
 
 from kvwise.engine.config import CacheConfig
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+log = logging.getLogger("kvwise.server")
 
 
 def add_serve_arguments(parser) -> None:
@@ -38,6 +41,11 @@ def add_serve_arguments(parser) -> None:
     )
     parser.add_argument("--host-cache-gb", type=float, default=0.0, help="host RAM for evicted prefix blocks (0: none)")
     parser.add_argument("--disk-cache", default=None, help="directory for evicted prefix blocks, below host RAM")
+    parser.add_argument(
+        "--disk-key-file",
+        default=None,
+        help="hex AES-256 key encrypting and authenticating --disk-cache files (or KVWISE_DISK_KEY)",
+    )
     parser.add_argument("--disk-cache-gb", type=float, default=None, help="bound on --disk-cache (default: none)")
     parser.add_argument(
         "--redis-url", default=None, help="Redis for evicted prefix blocks, last tier (HMAC key: KVWISE_REDIS_HMAC_KEY)"
@@ -93,7 +101,8 @@ def build_app(args):
         swap_space_bytes=int(args.swap_space_gb * (1 << 30)),
         prefix_quota_blocks=args.prefix_quota_blocks,
     )
-    tiers = prefix_tiers(args)
+    namespace_key = load_or_create_key(args.namespace_key_file, "namespace")
+    tiers = prefix_tiers(args, namespace_key)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     name = args.served_model_name or (EMBEDDED_NAME if args.model is None else Path(args.model.rstrip("/")).name)
     core = EngineCore(
@@ -114,8 +123,10 @@ def build_app(args):
     return create_app(core, settings)
 
 
-def prefix_tiers(args) -> list:
-    """The tiers under the prefix cache, fastest first: host RAM, disk, Redis (each optional)."""
+def prefix_tiers(args, namespace_key: bytes = b"") -> list:
+    """The tiers under the prefix cache, fastest first: host RAM, disk, Redis (each optional).
+    Disk files are MAC'd with a key derived from the namespace key, and encrypted with
+    --disk-key-file (or KVWISE_DISK_KEY) when one is given."""
     tiers = []
     if not args.host_cache_gb >= 0 or (args.disk_cache_gb is not None and not args.disk_cache_gb > 0):  # NaN too
         raise ValueError("--host-cache-gb must be >= 0 and --disk-cache-gb > 0")
@@ -128,10 +139,22 @@ def prefix_tiers(args) -> list:
 
         tiers.append(HostTier(int(args.host_cache_gb * (1 << 30))))
     if args.disk_cache:
+        from kvwise.core.secret_keys import load_keys
         from kvwise.tiers.disk import DiskTier
 
         capacity = None if args.disk_cache_gb is None else int(args.disk_cache_gb * (1 << 30))
-        tiers.append(DiskTier(args.disk_cache, capacity))
+        encryption_key = None
+        if args.disk_key_file:
+            encryption_key = load_keys(args.disk_key_file)[0]
+        mac_key = hmac.new(namespace_key, b"kvwise disk tier", hashlib.sha256).digest() if namespace_key else None
+        disk = DiskTier(args.disk_cache, capacity, encryption_key=encryption_key, mac_key=mac_key)
+        if not disk.encrypted:
+            log.warning(
+                "the disk tier at %s stores KV in plaintext: anyone who can read the folder can read cached "
+                "prompts' KV; give --disk-key-file (or KVWISE_DISK_KEY) to encrypt it",
+                args.disk_cache,
+            )
+        tiers.append(disk)
     if args.redis_url:
         from kvwise.tiers.redis_tier import RedisTier
 

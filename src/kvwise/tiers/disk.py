@@ -47,8 +47,17 @@ def _cipher(encryption_key: bytes | str | None):
 class DiskTier(Tier):
     name = "disk"
 
-    def __init__(self, directory: str | Path, capacity_bytes: int | None = None, encryption_key=None):
+    def __init__(
+        self,
+        directory: str | Path,
+        capacity_bytes: int | None = None,
+        encryption_key=None,
+        mac_key: bytes | None = None,
+    ):
+        """mac_key: keys each file's checksum (HMAC-SHA256), so files written by anyone without it
+        fail; encryption (AES-GCM) authenticates them too."""
         super().__init__()
+        self.mac_key = mac_key
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
@@ -61,7 +70,7 @@ class DiskTier(Tier):
         return self.directory / name[:2] / f"{name}.kvb"
 
     def put(self, key: bytes, block: torch.Tensor) -> bool:
-        payload = encode_block(key, block)
+        payload = encode_block(key, block, self.mac_key)
         if self._cipher is not None:
             nonce = secrets.token_bytes(NONCE_BYTES)
             payload = nonce + self._cipher.encrypt(nonce, payload, key)
@@ -102,13 +111,17 @@ class DiskTier(Tier):
         try:
             if self._cipher is not None:
                 payload = self._open(key, payload)
-            block = decode_block(key, payload)
+            block = decode_block(key, payload, self.mac_key)
         except CorruptBlock:
             self.stats.corrupt += 1
             self.delete(key)
             return None
         self.stats.hits += 1
         return block
+
+    @property
+    def encrypted(self) -> bool:
+        return self._cipher is not None
 
     def _open(self, key: bytes, payload: bytes) -> bytes:
         from cryptography.exceptions import InvalidTag

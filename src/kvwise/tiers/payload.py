@@ -2,13 +2,16 @@
 
     magic "KVWB" | version u16 | header length u32 | header JSON | data
 
-The header holds the block key (hex), shape, dtype and a BLAKE2b checksum of the data, so a
-file that was truncated, bit-flipped or written for another key is detected on read.
+The header holds the block key (hex), shape, dtype and a checksum of the data (an HMAC when the
+tier has a MAC key), so a file that was truncated, bit-flipped, forged or written for another key
+is detected on read. Whatever bytes it is given, `decode_block` returns a block or raises
+CorruptBlock, nothing else.
 """
 
 from __future__ import annotations
 
 import hashlib
+import hmac
 import json
 import struct
 
@@ -23,19 +26,27 @@ class CorruptBlock(ValueError):
     """The bytes are not a valid block for this key."""
 
 
-def encode_block(key: bytes, block: torch.Tensor) -> bytes:
+def _checksum(key: bytes, data: bytes, mac_key: bytes | None) -> str:
+    """Keyed (HMAC-SHA256 over the block key and data) when a MAC key is given, so nobody without
+    it can write an entry that verifies; else an unkeyed BLAKE2b that catches damage only."""
+    if mac_key:
+        return hmac.new(mac_key, key + data, hashlib.sha256).hexdigest()
+    return hashlib.blake2b(data, digest_size=16).hexdigest()
+
+
+def encode_block(key: bytes, block: torch.Tensor, mac_key: bytes | None = None) -> bytes:
     data = block.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
     header = {
         "key": key.hex(),
         "shape": list(block.shape),
         "dtype": str(block.dtype).removeprefix("torch."),
-        "checksum": hashlib.blake2b(data, digest_size=16).hexdigest(),
+        "checksum": _checksum(key, data, mac_key),
     }
     header_bytes = json.dumps(header, separators=(",", ":")).encode()
     return _PREFIX.pack(MAGIC, VERSION, len(header_bytes)) + header_bytes + data
 
 
-def decode_block(key: bytes, payload: bytes) -> torch.Tensor:
+def decode_block(key: bytes, payload: bytes, mac_key: bytes | None = None) -> torch.Tensor:
     """The tensor in `payload`; raises CorruptBlock if anything does not add up."""
     if len(payload) < _PREFIX.size:
         raise CorruptBlock("too short for a block header")
@@ -44,16 +55,23 @@ def decode_block(key: bytes, payload: bytes) -> torch.Tensor:
         raise CorruptBlock(f"not a kvwise block (magic {magic!r}, version {version})")
     try:
         header = json.loads(payload[_PREFIX.size : _PREFIX.size + header_length])
-        dtype = getattr(torch, header["dtype"])
+        dtype = getattr(torch, str(header["dtype"]), None)
         shape = tuple(header["shape"])
-    except (ValueError, KeyError, TypeError, AttributeError) as error:
+    except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
         raise CorruptBlock(f"unreadable header: {error}") from None
+    if not isinstance(dtype, torch.dtype):
+        raise CorruptBlock(f"unknown dtype {header.get('dtype')!r}")
+    if len(shape) > 8 or not all(isinstance(size, int) and 0 <= size < 1 << 31 for size in shape):
+        raise CorruptBlock(f"bad shape {shape!r}")
     if header.get("key") != key.hex():
         raise CorruptBlock("the block was written for another key")
     data = payload[_PREFIX.size + header_length :]
-    if hashlib.blake2b(data, digest_size=16).hexdigest() != header.get("checksum"):
+    if not hmac.compare_digest(_checksum(key, data, mac_key), str(header.get("checksum"))):
         raise CorruptBlock("checksum mismatch")
     expected = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
-    if len(data) != expected:
+    if len(data) != expected or dtype.is_complex or dtype in (torch.bool,) or not data:
         raise CorruptBlock(f"{len(data)} data bytes for shape {shape} of {dtype}")
-    return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    try:
+        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+    except (RuntimeError, ValueError) as error:  # whatever bytes a forger wrote: a miss, never a crash
+        raise CorruptBlock(f"cannot read the data as {dtype}{list(shape)}: {error}") from None

@@ -60,13 +60,23 @@ class RedisTier(Tier):
         import redis
 
         self._errors = (redis.RedisError, OSError)
-        options = {"socket_timeout": timeout_seconds, "socket_connect_timeout": timeout_seconds}
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        # No retries: redis-py's default (several, with back-off up to a second) would run on the
+        # engine thread and stall every request while Redis is down; one timeout, then the
+        # fail-fast window above.
+        options = {
+            "socket_timeout": timeout_seconds,
+            "socket_connect_timeout": timeout_seconds,
+            "retry": Retry(NoBackoff(), 0),
+        }
         if cluster:
             from redis.cluster import RedisCluster
 
-            self.client = RedisCluster.from_url(url, **options)
+            self.client = RedisCluster.from_url(url, cluster_error_retry_attempts=0, **options)
         else:
-            self.client = redis.Redis.from_url(url, **options)
+            self.client = redis.Redis.from_url(url, retry_on_timeout=False, **options)
 
     def _name(self, key: bytes) -> bytes:
         return self.prefix.encode() + key.hex().encode()

@@ -19,6 +19,7 @@ blocks are copied to host memory and copied back when it runs again.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -27,6 +28,8 @@ from kvwise.core.hashing import Namespace
 from kvwise.core.radix import RadixCache
 from kvwise.engine.request import Request, Status
 from kvwise.kv.prefix_tiers import PrefixTiers
+
+log = logging.getLogger("kvwise.engine")
 
 
 @dataclass
@@ -170,6 +173,10 @@ class Scheduler:
             if len(self.running) >= self.max_running or not self._swap_in(self.waiting[0]):
                 break
             request = self.waiting.popleft()
+            if request.swapped is None and request.status is Status.WAITING:  # the copy failed: recompute it
+                self._admit(request)
+                budget = self._schedule_prefill(request, budget, step)
+                continue
             if request.prefilling:
                 budget = self._schedule_prefill(request, budget, step)
             else:
@@ -314,18 +321,22 @@ class Scheduler:
     def _preempt(self, request: Request, step: Step) -> None:
         """Spill the request's KV to host memory when the swap space has room (it resumes where it
         stopped); otherwise drop it and recompute prompt and output later (the output is kept)."""
-        self.running.remove(request)
         swappable = request.blocks and min(request.blocks) >= 0  # quantized blocks are recomputed
+        swapped = None
         if self.swap is not None and swappable and self.swap.can_hold(len(request.blocks)):
-            request.swapped = self.swap.swap_out(request.blocks)
+            try:  # copied before anything changes: a failed copy leaves no block or lock behind
+                swapped = self.swap.swap_out(request.blocks)
+            except Exception:  # noqa: BLE001 - host memory refused: recompute instead
+                log.exception("swapping out %s failed; it will be recomputed", request.request_id)
+        self.running.remove(request)
+        if swapped is not None:
+            request.swapped = swapped
             self._release(request)
             request.reserved = True
         else:
             self.recomputed_blocks += len(request.blocks)
             self._release(request)
-            request.computed = request.reused = request.kv_offset = 0
-            request.compacted_positions = None
-            request.recompute_to = len(request.tokens) if request.output else None
+            self._reset_for_recompute(request)
         request.status = Status.WAITING
         request.preemptions += 1
         self.preemptions += 1
@@ -341,10 +352,27 @@ class Scheduler:
         if not self.pool.can_allocate(needed):
             return False
         request.blocks = self.pool.allocate(needed)
-        self.swap.swap_in(request.swapped, request.blocks)
+        try:
+            self.swap.swap_in(request.swapped, request.blocks)
+        except Exception:  # noqa: BLE001 - give the blocks back and recompute it instead
+            log.exception("swapping in %s failed; it will be recomputed", request.request_id)
+            self.pool.release(request.blocks)
+            self.recomputed_blocks += len(request.blocks)
+            request.blocks = []
+            self.swap.drop(request.swapped)
+            request.swapped, request.reserved = None, False
+            self._reset_for_recompute(request)
+            return True  # taken off the swap: admitted now as a recompute
         request.swapped, request.status = None, Status.RUNNING
         self.running.append(request)
         return True
+
+    @staticmethod
+    def _reset_for_recompute(request: Request) -> None:
+        """Its KV is gone: compute prompt and output again when admitted (the output is kept)."""
+        request.computed = request.reused = request.kv_offset = 0
+        request.compacted_positions = None
+        request.recompute_to = len(request.tokens) if request.output else None
 
     def shrink(self, request: Request, kv_tokens: int) -> None:
         """Give back the blocks past a request's first `kv_tokens` KV slots (after its eviction)."""

@@ -48,11 +48,18 @@ class HostSwap:
     def swap_out(self, blocks: list[int]) -> SwappedKV:
         """Copy `blocks` to host memory (the caller then releases them, which zeroes them)."""
         index = torch.tensor(blocks, device=self.storage.keys[0].device)
-        keys = torch.stack([layer.index_select(0, index) for layer in self.storage.keys]).to("cpu")
-        values = torch.stack([layer.index_select(0, index) for layer in self.storage.values]).to("cpu")
-        if self._pin:
-            keys, values = keys.pin_memory(), values.pin_memory()
-        swapped = SwappedKV(keys, values)
+        copies = []
+        for layers in (self.storage.keys, self.storage.values):
+            gathered = torch.stack([layer.index_select(0, index) for layer in layers])
+            host = gathered.to("cpu")
+            if self._pin:
+                pinned = host.pin_memory()
+                host.zero_()  # the pageable staging copy holds no KV once pinned
+                host = pinned
+            if gathered.data_ptr() != host.data_ptr():
+                gathered.zero_()  # nor does the device scratch copy the allocator will hand out again
+            copies.append(host)
+        swapped = SwappedKV(*copies)
         self.used_bytes += swapped.nbytes
         self.swapped_out_blocks += len(blocks)
         return swapped

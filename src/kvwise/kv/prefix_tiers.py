@@ -98,11 +98,17 @@ class PrefixTiers:
             if fetched is None:
                 break
             found.append(fetched)
-        found = found[: make_room(len(found))] if found else []
         if not found:
             return []
         device = self.storage.keys[0].device
+        # copied before making room: the evictions below spill to the tiers, and a tier may evict
+        # (and zero) the very entries just fetched
         data = torch.stack([block for _, block in found]).to(device)  # [n, layers, 2, block_size, heads, dim]
+        found = found[: make_room(len(found))]
+        if not found:
+            data.zero_()
+            return []
+        data = data[: len(found)]
         blocks = self.pool.allocate(len(found))  # after the copy: nothing below can fail halfway
         slots = (torch.tensor(blocks, device=device)[:, None] * self.block_size).add(
             torch.arange(self.block_size, device=device)

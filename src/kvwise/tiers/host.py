@@ -1,7 +1,13 @@
-"""Host RAM tier: a byte-bounded LRU of blocks in (pinned, when CUDA is present) CPU memory."""
+"""Host RAM tier: a byte-bounded LRU of blocks in (pinned, when CUDA is present) CPU memory.
+
+Blocks are zeroed when evicted or deleted, and the pageable staging copy made before pinning
+is zeroed too, so no KV of a request outlives its entry in host memory. `get` returns a copy,
+so zeroing an entry never reaches a block a caller is still reading; a lock makes the tier safe
+for a prefetch thread beside the engine."""
 
 from __future__ import annotations
 
+import threading
 from collections import OrderedDict
 
 import torch
@@ -18,17 +24,23 @@ class HostTier(Tier):
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self._blocks: OrderedDict[bytes, torch.Tensor] = OrderedDict()
+        self._lock = threading.RLock()
 
     def get(self, key: bytes) -> torch.Tensor | None:
-        self.stats.gets += 1
-        block = self._blocks.get(key)
-        if block is None:
-            return None
-        self._blocks.move_to_end(key)
-        self.stats.hits += 1
-        return block
+        with self._lock:
+            self.stats.gets += 1
+            block = self._blocks.get(key)
+            if block is None:
+                return None
+            self._blocks.move_to_end(key)
+            self.stats.hits += 1
+            return block.clone()
 
     def put(self, key: bytes, block: torch.Tensor) -> bool:
+        with self._lock:
+            return self._put(key, block)
+
+    def _put(self, key: bytes, block: torch.Tensor) -> bool:
         size = block.nbytes
         if size > self.capacity_bytes:
             self.stats.refused_puts += 1
@@ -37,9 +49,12 @@ class HostTier(Tier):
         while self.stats.bytes_held + size > self.capacity_bytes:
             _, evicted = self._blocks.popitem(last=False)
             self.stats.bytes_held -= evicted.nbytes
+            evicted.zero_()  # evicted KV leaves no residue in host memory
         copy = block.detach().to("cpu", copy=True)
         if torch.cuda.is_available():
-            copy = copy.pin_memory()  # faster copies back to the device
+            pinned = copy.pin_memory()  # faster copies back to the device
+            copy.zero_()  # the pageable staging copy holds no KV once pinned
+            copy = pinned
         self._blocks[key] = copy
         self.stats.bytes_held += size
         self.stats.puts += 1
@@ -49,7 +64,9 @@ class HostTier(Tier):
         return key in self._blocks
 
     def delete(self, key: bytes) -> None:
-        block = self._blocks.pop(key, None)
-        if block is not None:
-            self.stats.bytes_held -= block.nbytes
-            self.stats.deletes += 1
+        with self._lock:
+            block = self._blocks.pop(key, None)
+            if block is not None:
+                block.zero_()
+                self.stats.bytes_held -= block.nbytes
+                self.stats.deletes += 1

@@ -32,7 +32,7 @@ def character_tokenizer() -> PreTrainedTokenizerFast:
     )
 
 
-def save_base_model(directory: Path) -> Path:
+def save_base_model(directory: Path, max_positions: int = 2048) -> Path:
     tokenizer = character_tokenizer()
     torch.manual_seed(0)
     config = Gemma3TextConfig(
@@ -45,7 +45,7 @@ def save_base_model(directory: Path) -> Path:
         head_dim=256,
         query_pre_attn_scalar=256,
         sliding_window=16,
-        max_position_embeddings=2048,
+        max_position_embeddings=max_positions,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,

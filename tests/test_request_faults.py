@@ -109,6 +109,7 @@ def test_a_fault_in_a_step_fails_only_the_request_that_raises(llama, monkeypatch
     assert poison.completion.finish_reason == "error" and "RuntimeError" in poison.error
     assert [e.finish_reason for e in events if e.request is poison][-1] == "error"
     failed_step = next(r for r in core.step_log if len({c[0] for c in r.chunks}) == 2 and r.step > 2)
+    assert any(end - start == 1 for _, _, start, end in failed_step.chunks)  # decoding side by side
     assert {canary.request_id, poison.request_id} <= {c[0] for c in failed_step.chunks}
     assert not core.scheduler.running and not core.scheduler.waiting
     assert core.pool.stats().used == len(core.tree)  # the failed request's blocks are back; only the cache holds any

@@ -28,12 +28,16 @@ CANARY_PROMPT = "Write a long list of fruits, one per line:"
 
 
 @pytest.fixture(scope="module")
-def server(smollm, tmp_path_factory):
-    model, tokenizer = smollm
+def server(tmp_path_factory):
+    global server_url
+    import kvwise
+
+    model, tokenizer = kvwise.load_model(device="cpu")  # its own copy: the engine switches its attention
     keys = tmp_path_factory.mktemp("keys") / "keys.txt"
     keys.write_text("".join(f"{key} {tenant}\n" for tenant, key in KEYS.items()))
     core = EngineCore(model, tokenizer, CacheConfig(num_blocks=512))
     live = InProcessServer(create_app(core, ServerSettings(MODEL, load_api_keys(str(keys)), max_queue=16)))
+    server_url = live.base_url
     yield live
     live.stop()
 
@@ -42,13 +46,7 @@ def client(tenant="alice") -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{server_url}/v1", api_key=KEYS[tenant], max_retries=0, timeout=120)
 
 
-server_url = ""
-
-
-@pytest.fixture(autouse=True)
-def _url(server):
-    global server_url
-    server_url = server.base_url
+server_url = ""  # set by the `server` fixture
 
 
 class Canary:
@@ -88,9 +86,22 @@ def canary_text(server):
     return text
 
 
+_http = httpx.Client(timeout=60)  # one keep-alive connection for the many small requests
+
+
 def raw(path: str, body: bytes, tenant="alice") -> httpx.Response:
     headers = {"Authorization": f"Bearer {KEYS[tenant]}", "Content-Type": "application/json"}
-    return httpx.post(f"{server_url}{path}", content=body, headers=headers, timeout=60)
+    return _http.post(f"{server_url}{path}", content=body, headers=headers)
+
+
+def assert_canary_decoded_beside_the_poison(server):
+    """The step log shows a step where bob's canary decoded while alice's request was computed."""
+    for record in server.engine.core.step_log:
+        tenants = {tenant for _, tenant, _, _ in record.chunks}
+        canary_decoding = any(tenant == "bob" and end - start == 1 for _, tenant, start, end in record.chunks)
+        if canary_decoding and "alice" in tenants:
+            return
+    raise AssertionError("the canary never decoded in the same step as the poison request")
 
 
 ACCEPTED_POISON = {  # values that used to crash a step: now safe, the request is answered
@@ -110,11 +121,7 @@ def test_values_that_broke_the_step_are_safe_beside_a_canary(server, canary_text
     assert answer.choices[0].finish_reason == "length"
     error, finish, text = canary.result()
     assert error is None and finish == "length" and text == canary_text
-    shared = [
-        record for record in server.engine.core.step_log
-        if len(record.chunks) >= 2 and any(end - start == 1 for _, start, end in record.chunks)
-    ]
-    assert shared, "the canary never decoded in a step with another request"
+    assert_canary_decoded_beside_the_poison(server)
 
 
 REFUSED_POISON = {
@@ -163,15 +170,15 @@ def test_surrogates_in_chat_content_get_400(server):
 
 
 def test_a_thousand_quantizer_spellings_build_at_most_the_allowed_pools(server):
-    # 200 spellings of the default kivi4 (repeated options, case) and 800 of quantizers not enabled
-    same = [("KIVI4" if i % 2 else "kivi4") + ":sink_tokens=1" * i for i in range(200)]
-    other = [f"kivi4:group_size={2 ** (i % 4)}:residual_length={64 * (1 + i)}" for i in range(800)]
+    # 50 spellings of the default kivi4 (repeated options, case) and 950 of quantizers not enabled
+    same = [("KIVI4" if i % 2 else "kivi4") + ":sink_tokens=1" * i for i in range(50)]
+    other = [f"kivi4:group_size={2 ** (i % 4)}:residual_length={64 * (1 + i)}" for i in range(950)]
     statuses = {}
     for spelling in same + other:
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 1, "kv_quant": spelling}
         status = raw("/v1/completions", json.dumps(body).encode()).status_code
         statuses[status] = statuses.get(status, 0) + 1
-    assert statuses == {200: 200, 400: 800}
+    assert statuses == {200: 50, 400: 950}
     assert len(server.engine.core.quant_pools) <= 1  # one pool: the canonical kivi4
 
 

@@ -57,10 +57,10 @@ class TokenEvent:
 
 @dataclass
 class StepRecord:
-    """What one step computed: (request_id, start, end) per chunk (tests read the log)."""
+    """What one step computed: (request_id, tenant, start, end) per chunk (tests read the log)."""
 
     step: int
-    chunks: list[tuple[str, int, int]]
+    chunks: list[tuple[str, str, int, int]]
 
 
 class ContextLengthError(ValueError):
@@ -240,7 +240,8 @@ class EngineCore:
         chunks, logits, compactions, failed = self._forward_isolating_faults(step.chunks)
         if self.logits_observer is not None:
             self.logits_observer(chunks, logits)
-        self.step_log.append(StepRecord(self.steps, [(c.request.request_id, c.start, c.end) for c in step.chunks]))
+        chunk_log = [(c.request.request_id, c.request.tenant, c.start, c.end) for c in step.chunks]
+        self.step_log.append(StepRecord(self.steps, chunk_log))
         self.peak_blocks = max(self.peak_blocks, self.pool.stats().used)
         for compaction in compactions:  # real bytes back to the pool
             request = compaction.request

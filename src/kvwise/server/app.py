@@ -30,6 +30,7 @@ from kvwise.server.api_keys import KeyEntry, find_key
 from kvwise.server.async_engine import AsyncEngine, EngineFailure
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.openai_format import Formatter
+from kvwise.server.openapi import install_openapi, request_body
 from kvwise.server.protocol import ChatRequest, CompletionRequest, OpenAIError
 
 SHARED_PREFIX_HEADER = "x-kvwise-shared-prefix"
@@ -160,14 +161,15 @@ def create_app(core: EngineCore, settings: ServerSettings) -> FastAPI:
         card["max_model_len"] = core.max_positions
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request):
         return await handlers.run(request, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatRequest))
     async def chat_completions(request: Request):
         return await handlers.run(request, chat=True)
 
+    install_openapi(app)
     return app
 
 

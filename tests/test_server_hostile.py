@@ -201,3 +201,38 @@ def test_n_of_a_billion_is_refused_at_once_and_health_stays_fast(server):
 def test_health_live_and_ready(server):
     for path in ("/health", "/health/live", "/health/ready"):
         assert httpx.get(f"{server_url}{path}", timeout=10).status_code == 200
+
+
+def test_a_slowloris_client_is_closed_after_the_header_timeout(tmp_path):
+    """Headers sent a byte at a time: the connection is closed once the deadline passes, while a
+    normal client on the same server is answered."""
+    import socket
+
+    from kvwise.server.slow_clients import header_timeout_protocol
+    from tests.base_model import save_base_model
+
+    directory = save_base_model(tmp_path / "model", max_positions=64)
+    from kvwise.models import load_model
+
+    model, tokenizer = load_model(str(directory), device="cpu")
+    core = EngineCore(model, tokenizer, CacheConfig(block_size=16, num_blocks=32))
+    slow = InProcessServer(create_app(core, ServerSettings("tiny")), http=header_timeout_protocol(1.0))
+    try:
+        connection = socket.create_connection(("127.0.0.1", slow.port))
+        connection.settimeout(5)
+        started = time.monotonic()
+        closed_after = None
+        for byte in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+            try:
+                connection.send(bytes([byte]))
+                time.sleep(0.05)
+            except OSError:
+                closed_after = time.monotonic() - started
+                break
+        if closed_after is None:
+            assert connection.recv(1024) == b""  # the server closed it
+            closed_after = time.monotonic() - started
+        assert 0.9 < closed_after < 4.0
+        assert httpx.get(f"{slow.base_url}/health", timeout=5).status_code == 200
+    finally:
+        slow.stop()

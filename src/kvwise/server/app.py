@@ -50,6 +50,7 @@ class ServerSettings:
     metrics_per_tenant: bool = False  # label prefix-cache counters by tenant
     metrics_max_tenants: int = 32  # tenants with a label of their own; the rest are "other"
     fair_queue: bool = True  # each active tenant holds at most an equal share of the queue
+    body_timeout_seconds: float = 30.0  # the longest pause while a client sends its body
 
     @property
     def metrics_keys(self) -> list[str]:
@@ -256,7 +257,14 @@ class _Handlers:
         if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
             raise OpenAIError(413, f"the request body is over {self.settings.max_body_bytes} bytes")
         chunks, size = [], 0
-        async for chunk in http.stream():  # counted as it arrives: a chunked body has no Content-Length
+        stream = http.stream().__aiter__()
+        while True:  # counted as it arrives: a chunked body has no Content-Length
+            try:
+                chunk = await asyncio.wait_for(stream.__anext__(), self.settings.body_timeout_seconds)
+            except StopAsyncIteration:
+                break
+            except TimeoutError:
+                raise OpenAIError(408, "the request body stopped arriving", code="body_timeout") from None
             size += len(chunk)
             if size > self.settings.max_body_bytes:
                 raise OpenAIError(413, f"the request body is over {self.settings.max_body_bytes} bytes")

@@ -19,6 +19,7 @@ class OpenAIError(Exception):
         400: "invalid_request_error",
         401: "authentication_error",
         404: "not_found_error",
+        408: "invalid_request_error",
         413: "invalid_request_error",
         422: "invalid_request_error",
         403: "permission_error",

@@ -77,6 +77,12 @@ def add_serve_arguments(parser) -> None:
     )
     parser.add_argument("--default-max-tokens", type=int, default=256, help="for chat requests without max_tokens")
     parser.add_argument("--shutdown-timeout", type=float, default=30.0)
+    parser.add_argument(
+        "--header-timeout", type=float, default=10.0, help="seconds a client has to send its request headers"
+    )
+    parser.add_argument(
+        "--body-timeout", type=float, default=30.0, help="seconds a client may pause while sending a request body"
+    )
     parser.add_argument("--log-level", default="info")
 
 
@@ -119,6 +125,7 @@ def build_app(args):
         metrics_per_tenant=args.metrics_per_tenant,
         metrics_max_tenants=args.metrics_max_tenants,
         fair_queue=not args.no_fair_queue,
+        body_timeout_seconds=args.body_timeout,
     )
     return create_app(core, settings)
 
@@ -165,6 +172,8 @@ def prefix_tiers(args, namespace_key: bytes = b"") -> list:
 def run_server(args) -> None:
     import uvicorn
 
+    from kvwise.server.slow_clients import header_timeout_protocol
+
     class GracefulServer(uvicorn.Server):
         """uvicorn re-raises SIGTERM/SIGINT once it has shut down, so the process would end as killed
         by the signal; after a graceful drain, `kvwise serve` exits 0 instead."""
@@ -185,6 +194,11 @@ def run_server(args) -> None:
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     print(f"kvwise: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops after running requests finish)")
     config = uvicorn.Config(
-        app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=args.shutdown_timeout
+        app,
+        host=args.host,
+        port=args.port,
+        log_level=args.log_level,
+        timeout_graceful_shutdown=args.shutdown_timeout,
+        http=header_timeout_protocol(args.header_timeout),
     )
     GracefulServer(config).run()

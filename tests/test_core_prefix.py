@@ -218,3 +218,29 @@ def test_freed_blocks_are_zeroed_before_reuse():
     for layer in range(2):
         assert not storage.keys[layer][blocks[0]].any() and not storage.values[layer][blocks[0]].any()
     assert storage.keys[0][blocks[1]].any()  # the block still held is untouched
+
+
+def test_fair_shares_keep_a_flooding_tenant_from_flushing_another():
+    """Without explicit quotas, each tenant holding blocks may hold an equal share of the pool:
+    a tenant inserting unique prefixes evicts its own, and another's stay cached."""
+
+    def cached_blocks(fair: bool) -> int:
+        pool = BlockPool(num_blocks=32, block_size=BLOCK)
+        tree = RadixCache(pool, fair_share=fair)
+        kept = list(range(100, 100 + 8 * BLOCK))  # bob: 8 blocks he reuses
+
+        def insert(tokens, tenant):
+            blocks = pool.allocate(len(tokens) // BLOCK)
+            tree.insert(tokens, blocks, namespace(tenant))
+            pool.release(blocks)  # the tree holds what it kept
+
+        insert(kept, "bob")
+        for flood in range(40):  # alice: 40 blocks of unique prompts, more than the pool
+            tokens = [1000 + flood * BLOCK + i for i in range(BLOCK)]
+            if not pool.can_allocate(1):
+                tree.evict(1)
+            insert(tokens, "alice")
+        return tree.match_prefix(kept, namespace("bob"), touch=False).length // BLOCK
+
+    assert cached_blocks(fair=True) == 8
+    assert cached_blocks(fair=False) < 8  # the drop fair shares prevent

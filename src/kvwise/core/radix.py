@@ -57,7 +57,8 @@ class RadixCache:
     """Args:
     pool: the block pool whose blocks the tree references.
     eviction: "lru" or "lfu".
-    quotas: blocks per tenant; tenants not listed get `default_quota` (None: unlimited).
+    quotas: blocks per tenant; tenants not listed get `default_quota` (None: unlimited, or with
+        `fair_share` an equal share of the pool per tenant holding blocks).
     on_evict: called with each evicted node before its block is released (write-back to tiers).
     """
 
@@ -68,11 +69,12 @@ class RadixCache:
         quotas: dict[str, int] | None = None,
         default_quota: int | None = None,
         on_evict: Callable[[Node], None] | None = None,
+        fair_share: bool = False,
     ):
         if eviction not in EVICTION_POLICIES:
             raise ValueError(f"unknown eviction policy {eviction!r}; choose one of: {', '.join(EVICTION_POLICIES)}")
         self.pool, self.block_size, self.eviction = pool, pool.block_size, eviction
-        self.quotas, self.default_quota = dict(quotas or {}), default_quota
+        self.quotas, self.default_quota, self.fair_share = dict(quotas or {}), default_quota, fair_share
         self.on_evict = on_evict
         self.root = Node(ROOT_KEY, (), -1, "", None)
         self._by_key: dict[bytes, Node] = {}
@@ -84,8 +86,16 @@ class RadixCache:
         return len(self._by_key)
 
     def quota(self, tenant: str) -> float:
+        """Blocks `tenant` may hold: its own quota, the default one, or with `fair_share` an equal
+        share of the pool among the tenants that hold blocks (so a tenant flooding unique prompts
+        evicts its own prefixes, not the others')."""
         quota = self.quotas.get(tenant, self.default_quota)
-        return math.inf if quota is None else quota
+        if quota is not None:
+            return quota
+        if not self.fair_share:
+            return math.inf
+        others = sum(1 for name, held in self.usage.items() if held > 0 and name != tenant)
+        return max(1, self.pool.num_blocks // (others + 1))
 
     # ---- lookups -----------------------------------------------------------------------------
     def match_prefix(

@@ -19,6 +19,9 @@ class CacheConfig:
     # prefix-cache blocks one tenant may hold (None: no limit); a tenant at its quota evicts its
     # own prefixes first, so one tenant's traffic cannot flush everyone else's cache
     prefix_quota_blocks: int | None = None
+    # without an explicit quota, each tenant holding prefix blocks may hold an equal share of the
+    # pool: eviction under pressure takes from the tenant over its share first
+    fair_prefix_shares: bool = True
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "token_budget", "max_running"):

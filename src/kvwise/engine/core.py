@@ -91,7 +91,11 @@ class EngineCore:
         self.storage.attach(self.pool)
         if tiers and not config.prefix_caching:
             raise ValueError("prefix tiers hold evicted prefix-cache blocks: they need prefix_caching=True")
-        self.tree = RadixCache(self.pool, default_quota=config.prefix_quota_blocks) if config.prefix_caching else None
+        self.tree = (
+            RadixCache(self.pool, default_quota=config.prefix_quota_blocks, fair_share=config.fair_prefix_shares)
+            if config.prefix_caching
+            else None
+        )
         self.prefix_stats = ReuseStats()  # tier hits, spills; device hits are counted per request
         self.prefix_tiers = PrefixTiers(tiers, self.storage, self.pool, self.tree, self.prefix_stats) if tiers else None
         if self.prefix_tiers is not None:

@@ -39,6 +39,11 @@ def add_serve_arguments(parser) -> None:
         default=None,
         help="prefix-cache blocks a tenant may hold (default: all)",
     )
+    parser.add_argument(
+        "--no-fair-prefix-shares",
+        action="store_true",
+        help="without --prefix-quota-blocks, let any tenant fill the prefix cache (default: equal shares)",
+    )
     parser.add_argument("--host-cache-gb", type=float, default=0.0, help="host RAM for evicted prefix blocks (0: none)")
     parser.add_argument("--disk-cache", default=None, help="directory for evicted prefix blocks, below host RAM")
     parser.add_argument(
@@ -106,6 +111,7 @@ def build_app(args):
         prefix_caching=not args.no_prefix_caching,
         swap_space_bytes=int(args.swap_space_gb * (1 << 30)),
         prefix_quota_blocks=args.prefix_quota_blocks,
+        fair_prefix_shares=not args.no_fair_prefix_shares,
     )
     namespace_key = load_or_create_key(args.namespace_key_file, "namespace")
     tiers = prefix_tiers(args, namespace_key)

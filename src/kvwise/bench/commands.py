@@ -84,8 +84,34 @@ def add_bench_parsers(workloads) -> None:
     rag.add_argument("--quick", action="store_true", help="8 requests, 3 documents of 300-600 tokens, 8 new tokens")
 
 
+    isolation = workloads.add_parser("isolation", help="tenant timing probes and cache flooding on a live server")
+    isolation.add_argument("--model", default=None)
+    isolation.add_argument("--trials", type=int, default=None, help="probes per class and mode (default 200)")
+    isolation.add_argument("--prefix-tokens", type=int, default=None, help="tokens of a cached prefix (512)")
+    isolation.add_argument("--modes", type=names, default=None, help="isolated,shared")
+    isolation.add_argument("--seed", type=int, default=None)
+    isolation.add_argument("--out", type=Path, default=Path("results"))
+    isolation.add_argument("--quick", action="store_true", help="20 probes per class, 256-token prefixes")
+
+
 def run_bench(args) -> None:
-    {"niah": _niah, "ppl": _ppl, "reuse": _reuse, "throughput": _throughput, "rag": _rag}[args.workload](args)
+    commands = {"niah": _niah, "ppl": _ppl, "reuse": _reuse, "throughput": _throughput, "rag": _rag}
+    commands["isolation"] = _isolation
+    commands[args.workload](args)
+
+
+def _isolation(args) -> None:
+    from kvwise.bench.isolation import IsolationConfig, run_isolation
+
+    config = IsolationConfig(model=args.model)
+    if args.quick:
+        config.trials, config.prefix_tokens, config.victim_repeats = 20, 256, 4
+    if args.modes is not None:
+        args.modes = tuple(args.modes)
+    _override(config, args, ("trials", "prefix_tokens", "modes", "seed"))
+    run_isolation(config, args.out)
+    print((args.out / "isolation.md").read_text())
+    print(f"wrote {args.out / 'isolation.json'}")
 
 
 def _rag(args) -> None:

@@ -74,7 +74,7 @@ class RedisTier(Tier):
         if cluster:
             from redis.cluster import RedisCluster
 
-            self.client = RedisCluster.from_url(url, cluster_error_retry_attempts=0, **options)
+            self.client = RedisCluster.from_url(url, **options)
         else:
             self.client = redis.Redis.from_url(url, retry_on_timeout=False, **options)
 

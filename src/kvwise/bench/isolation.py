@@ -1,0 +1,256 @@
+"""`kvwise bench isolation`: can one tenant learn what another cached? Measured, not assumed.
+
+A live server on loopback (the embedded model by default), two tenants with their own keys:
+- **Timing probe.** The victim sends a random `prefix_tokens`-token prompt, so its prefix is
+  cached. The prober then sends either that prefix (target) or a fresh random one (control), each
+  with a fresh suffix, and times the answer (one output token: the TTFT a client sees). A probe
+  that can tell the classes apart reads another tenant's cache. Reported per mode: the prober's
+  cache hits on targets, and the ROC AUC of "control slower than target" (0.5: no signal).
+  - `isolated`: plain tenants. Hits must be 0 and the AUC near 0.5.
+  - `shared`: both mark the prefix shared (`kv_prefix`). Hits are the point of sharing, so the
+    AUC must be high: the positive control, which shows the probe is strong enough to count.
+- **Flooding.** The victim repeats one prefix while the flooder sends unique prompts totalling
+  `flood_factor` times the pool. Reported: the victim's hit rate on its prefix, with fair
+  prefix-cache shares (the default) and without them, in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from tqdm import tqdm
+
+from kvwise.bench.environment import system_info
+
+MODES = ("isolated", "shared")
+KEYS = {"victim": "sk-bench-victim", "prober": "sk-bench-prober", "ops": "sk-bench-admin"}
+
+
+@dataclass
+class IsolationConfig:
+    model: str | None = None
+    trials: int = 200  # per class (target, control) and mode
+    prefix_tokens: int = 512
+    suffix_tokens: int = 8
+    modes: tuple[str, ...] = MODES
+    flood_factor: float = 3.0  # the flooder's unique tokens, in pools
+    flood_pool_blocks: int = 128  # the flood test's pool (16-token blocks)
+    victim_repeats: int = 8
+    seed: int = 0
+
+    def __post_init__(self):
+        unknown = [mode for mode in self.modes if mode not in MODES]
+        if unknown:
+            raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
+        if self.trials < 2 or self.prefix_tokens < 32 or self.flood_factor <= 0 or self.victim_repeats < 2:
+            raise ValueError("trials >= 2, prefix_tokens >= 32, flood_factor > 0 and victim_repeats >= 2")
+
+
+@dataclass
+class Probe:
+    mode: str
+    target: bool
+    ttft: float
+    hit_tokens: float
+
+
+@dataclass
+class ProbeServer:
+    """A server with the bench's tenants, and a client that reads the prober's hits."""
+
+    model: object
+    tokenizer: object
+    num_blocks: int = 2048
+    fair_prefix_shares: bool = True
+    server: object = field(init=False)
+
+    def __post_init__(self):
+        import httpx
+
+        from kvwise.bench.loopback_server import LoopbackServer
+        from kvwise.engine.config import CacheConfig
+        from kvwise.engine.core import EngineCore
+        from kvwise.server.api_keys import KeyEntry
+        from kvwise.server.app import ServerSettings, create_app
+
+        keys = {
+            KEYS["victim"]: KeyEntry("victim", shared_read=True, shared_write=True),
+            KEYS["prober"]: KeyEntry("prober", shared_read=True, shared_write=True),
+            KEYS["ops"]: KeyEntry("ops", admin=True),
+        }
+        cache = CacheConfig(num_blocks=self.num_blocks, fair_prefix_shares=self.fair_prefix_shares)
+        core = EngineCore(self.model, self.tokenizer, cache)
+        settings = ServerSettings("bench", keys, max_queue=64, metrics_per_tenant=True)
+        self.server = LoopbackServer(create_app(core, settings))
+        self.http = httpx.Client(base_url=self.server.base_url, timeout=300)
+
+    def complete(self, tenant: str, tokens: list[int], shared_tokens: int = 0) -> float:
+        """Seconds until the answer (one token) arrives."""
+        body = {"model": "bench", "prompt": tokens, "max_tokens": 1, "temperature": 0}
+        if shared_tokens:
+            body["kv_prefix"] = {"tokens": shared_tokens, "shared": True}
+        started = time.perf_counter()
+        answer = self.http.post("/v1/completions", json=body, headers={"Authorization": f"Bearer {KEYS[tenant]}"})
+        elapsed = time.perf_counter() - started
+        answer.raise_for_status()
+        return elapsed
+
+    def hits(self, tenant: str) -> float:
+        text = self.http.get("/metrics", headers={"Authorization": f"Bearer {KEYS['ops']}"}).text
+        line = f'kvwise_prefix_cache_hits_tokens_total{{tenant="{tenant}"}} '
+        return next((float(row.split()[-1]) for row in text.splitlines() if row.startswith(line)), 0.0)
+
+    def close(self) -> None:
+        self.http.close()
+        self.server.stop()
+
+
+def roc_auc(slower: list[float], faster: list[float]) -> float:
+    """P(a value of `slower` exceeds one of `faster`), ties counted half (Mann-Whitney)."""
+    wins = sum((s > f) + 0.5 * (s == f) for s in slower for f in faster)
+    return wins / (len(slower) * len(faster))
+
+
+def run_probes(server: ProbeServer, config: IsolationConfig, vocab: int, progress) -> list[Probe]:
+    rng = random.Random(config.seed)
+
+    def tokens(count: int) -> list[int]:
+        return [rng.randrange(10, vocab) for _ in range(count)]
+
+    probes = []
+    for mode in config.modes:
+        shared = config.prefix_tokens if mode == "shared" else 0
+        classes = [True] * config.trials + [False] * config.trials
+        rng.shuffle(classes)  # targets and controls interleaved at random: drift hits both alike
+        for target in classes:
+            cached = tokens(config.prefix_tokens)
+            server.complete("victim", cached + tokens(config.suffix_tokens), shared)
+            probe_prefix = cached if target else tokens(config.prefix_tokens)
+            before = server.hits("prober")
+            ttft = server.complete("prober", probe_prefix + tokens(config.suffix_tokens), shared)
+            probes.append(Probe(mode, target, ttft, server.hits("prober") - before))
+            progress.update()
+    return probes
+
+
+def run_flood(model, tokenizer, config: IsolationConfig, fair: bool, vocab: int, progress) -> dict:
+    """The victim's hit rate on its repeated prefix while the flooder sends unique prompts."""
+    rng = random.Random(config.seed + 1)
+    server = ProbeServer(model, tokenizer, num_blocks=config.flood_pool_blocks, fair_prefix_shares=fair)
+    try:
+        prefix = [rng.randrange(10, vocab) for _ in range(config.prefix_tokens)]
+        pool_tokens = config.flood_pool_blocks * 16
+        flood_prompts = max(1, round(config.flood_factor * pool_tokens / config.prefix_tokens))
+        per_round = max(1, flood_prompts // (config.victim_repeats - 1))
+        server.complete("victim", prefix + [11, 12])
+        hits_before, sent = server.hits("victim"), 0
+        for repeat in range(config.victim_repeats - 1):
+            for _ in range(per_round):
+                flood = [rng.randrange(10, vocab) for _ in range(config.prefix_tokens)]
+                server.complete("prober", flood)  # the prober's key floods here
+                sent += config.prefix_tokens
+                progress.update()
+            server.complete("victim", prefix + [13 + repeat])
+        cacheable = (config.prefix_tokens + 1) // 16 * 16 * (config.victim_repeats - 1)
+        hit_rate = (server.hits("victim") - hits_before) / cacheable
+    finally:
+        server.close()
+    return {"fair_prefix_shares": fair, "victim_hit_rate": hit_rate, "flood_tokens": sent, "pool_tokens": pool_tokens}
+
+
+def run_isolation(config: IsolationConfig, out_dir: Path) -> dict:
+    from kvwise.models import load_model
+
+    model, tokenizer = load_model(config.model)
+    vocab = model.get_input_embeddings().num_embeddings
+    flood_prompts = max(1, round(config.flood_factor * config.flood_pool_blocks * 16 / config.prefix_tokens))
+    total = 2 * config.trials * len(config.modes) + 2 * flood_prompts
+    with tqdm(total=total, desc="isolation", unit="probe") as progress:
+        server = ProbeServer(model, tokenizer)
+        try:
+            server.complete("victim", list(range(10, 10 + config.prefix_tokens)))  # warm-up
+            probes = run_probes(server, config, vocab, progress)
+        finally:
+            server.close()
+        floods = [run_flood(model, tokenizer, config, fair, vocab, progress) for fair in (True, False)]
+    summary = []
+    for mode in config.modes:
+        rows = [probe for probe in probes if probe.mode == mode]
+        targets = [probe for probe in rows if probe.target]
+        controls = [probe for probe in rows if not probe.target]
+        summary.append(
+            {
+                "mode": mode,
+                "trials_per_class": len(targets),
+                "target_hits": sum(probe.hit_tokens > 0 for probe in targets),
+                "control_hits": sum(probe.hit_tokens > 0 for probe in controls),
+                "auc": roc_auc([p.ttft for p in controls], [p.ttft for p in targets]),
+                "target_ttft_median": sorted(p.ttft for p in targets)[len(targets) // 2],
+                "control_ttft_median": sorted(p.ttft for p in controls)[len(controls) // 2],
+            }
+        )
+    report = {
+        "workload": "isolation",
+        "config": asdict(config),
+        "system": system_info(model.device),
+        "results": {"probes": summary, "flood": floods, "raw": [asdict(probe) for probe in probes]},
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "isolation.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "isolation.md").write_text(markdown(report))
+    _plot(report, out_dir / "isolation_ttft.png")
+    return report
+
+
+def markdown(report: dict) -> str:
+    config, system = report["config"], report["system"]
+    lines = [
+        f"Isolation, model={config['model'] or 'SmolLM2-135M-Instruct'}, {config['trials']} trials per class and "
+        f"mode, {config['prefix_tokens']}-token prefixes, seed={config['seed']}",
+        f"system: kvwise {system['kvwise']}, torch {system['torch']}, {system['device']} ({system['hardware']})",
+        "",
+        "Timing probe: the prober sends the victim's cached prefix (target) or a fresh one (control); "
+        "AUC = P(control TTFT > target TTFT); 0.5 is no signal.",
+        "",
+        "| mode | target hits | control hits | AUC | TTFT median target / control (s) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in report["results"]["probes"]:
+        lines.append(
+            f"| {row['mode']} | {row['target_hits']}/{row['trials_per_class']} | "
+            f"{row['control_hits']}/{row['trials_per_class']} | {row['auc']:.2f} | "
+            f"{row['target_ttft_median']:.3f} / {row['control_ttft_median']:.3f} |"
+        )
+    flood_title = "Flooding: the victim's hit rate on its repeated prefix while another tenant sends unique prompts."
+    lines += ["", flood_title, ""]
+    lines += ["| fair prefix shares | victim hit rate | flood tokens / pool tokens |", "|---|---|---|"]
+    for row in report["results"]["flood"]:
+        lines.append(
+            f"| {'on' if row['fair_prefix_shares'] else 'off'} | {row['victim_hit_rate']:.2f} | "
+            f"{row['flood_tokens'] / row['pool_tokens']:.1f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = [row["mode"] for row in report["results"]["probes"]]
+    figure, axes = plt.subplots(1, len(modes), figsize=(5 * len(modes), 3.5), squeeze=False)
+    for axis, mode in zip(axes[0], modes):
+        rows = [row for row in report["results"]["raw"] if row["mode"] == mode]
+        for target, label in ((True, "target (victim's prefix)"), (False, "control (fresh prefix)")):
+            axis.hist([row["ttft"] for row in rows if row["target"] is target], bins=30, alpha=0.6, label=label)
+        axis.set_title(f"{mode}")
+        axis.set_xlabel("TTFT (s)")
+    axes[0][0].legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

@@ -25,6 +25,7 @@ def test_isolation_bench(tmp_path):
     assert probes["isolated"]["target_hits"] == 0 and probes["isolated"]["control_hits"] == 0
     assert probes["isolated"]["auc"] <= 0.8  # 20 trials per class; the bench's 200 hold it to 0.6
     assert probes["shared"]["target_hits"] == 20 and probes["shared"]["auc"] >= 0.9  # the probe can see
+    assert probes["shared-padded"]["target_hits"] == 20 and probes["shared-padded"]["auc"] <= 0.8
     flood = {row["fair_prefix_shares"]: row["victim_hit_rate"] for row in report["results"]["flood"]}
     assert flood[True] >= 0.9 and flood[False] < flood[True]
     assert (tmp_path / "isolation.md").exists() and (tmp_path / "isolation_ttft.png").exists()

@@ -88,7 +88,7 @@ def add_bench_parsers(workloads) -> None:
     isolation.add_argument("--model", default=None)
     isolation.add_argument("--trials", type=int, default=None, help="probes per class and mode (default 200)")
     isolation.add_argument("--prefix-tokens", type=int, default=None, help="tokens of a cached prefix (512)")
-    isolation.add_argument("--modes", type=names, default=None, help="isolated,shared")
+    isolation.add_argument("--modes", type=names, default=None, help="isolated,shared,shared-padded")
     isolation.add_argument("--seed", type=int, default=None)
     isolation.add_argument("--out", type=Path, default=Path("results"))
     isolation.add_argument("--quick", action="store_true", help="20 probes per class, 256-token prefixes")

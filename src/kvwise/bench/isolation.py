@@ -9,6 +9,8 @@ A live server on loopback (the embedded model by default), two tenants with thei
   - `isolated`: plain tenants. Hits must be 0 and the AUC near 0.5.
   - `shared`: both mark the prefix shared (`kv_prefix`). Hits are the point of sharing, so the
     AUC must be high: the positive control, which shows the probe is strong enough to count.
+  - `shared-padded`: the same, on a server with `--shared-timing-pad`: a shared hit's first token
+    is held as long as computing the hit would have taken, so the AUC falls back towards 0.5.
 - **Flooding.** The victim repeats one prefix while the flooder sends unique prompts totalling
   `flood_factor` times the pool. Reported: the victim's hit rate on its prefix, with fair
   prefix-cache shares (the default) and without them, in the same run.
@@ -26,7 +28,7 @@ from tqdm import tqdm
 
 from kvwise.bench.environment import system_info
 
-MODES = ("isolated", "shared")
+MODES = ("isolated", "shared", "shared-padded")
 KEYS = {"victim": "sk-bench-victim", "prober": "sk-bench-prober", "ops": "sk-bench-admin"}
 
 
@@ -66,6 +68,7 @@ class ProbeServer:
     tokenizer: object
     num_blocks: int = 2048
     fair_prefix_shares: bool = True
+    shared_timing_pad: bool = False
     server: object = field(init=False)
 
     def __post_init__(self):
@@ -84,7 +87,9 @@ class ProbeServer:
         }
         cache = CacheConfig(num_blocks=self.num_blocks, fair_prefix_shares=self.fair_prefix_shares)
         core = EngineCore(self.model, self.tokenizer, cache)
-        settings = ServerSettings("bench", keys, max_queue=64, metrics_per_tenant=True)
+        settings = ServerSettings(
+            "bench", keys, max_queue=64, metrics_per_tenant=True, shared_timing_pad=self.shared_timing_pad
+        )
         self.server = LoopbackServer(create_app(core, settings))
         self.http = httpx.Client(base_url=self.server.base_url, timeout=300)
 
@@ -115,15 +120,19 @@ def roc_auc(slower: list[float], faster: list[float]) -> float:
     return wins / (len(slower) * len(faster))
 
 
-def run_probes(server: ProbeServer, config: IsolationConfig, vocab: int, progress) -> list[Probe]:
-    rng = random.Random(config.seed)
+def run_probes(model, tokenizer, config: IsolationConfig, mode: str, vocab: int, progress) -> list[Probe]:
+    """One mode's probes, on a server of its own (padding is a server setting)."""
+    rng = random.Random(f"{config.seed}-{mode}")
 
     def tokens(count: int) -> list[int]:
         return [rng.randrange(10, vocab) for _ in range(count)]
 
+    server = ProbeServer(model, tokenizer, shared_timing_pad=mode == "shared-padded")
     probes = []
-    for mode in config.modes:
-        shared = config.prefix_tokens if mode == "shared" else 0
+    try:
+        shared = config.prefix_tokens if mode.startswith("shared") else 0
+        for length in (config.prefix_tokens, config.suffix_tokens, config.prefix_tokens // 2):
+            server.complete("victim", tokens(length + config.suffix_tokens))  # warm-up; the pad's cost estimate
         classes = [True] * config.trials + [False] * config.trials
         rng.shuffle(classes)  # targets and controls interleaved at random: drift hits both alike
         for target in classes:
@@ -134,6 +143,8 @@ def run_probes(server: ProbeServer, config: IsolationConfig, vocab: int, progres
             ttft = server.complete("prober", probe_prefix + tokens(config.suffix_tokens), shared)
             probes.append(Probe(mode, target, ttft, server.hits("prober") - before))
             progress.update()
+    finally:
+        server.close()
     return probes
 
 
@@ -170,12 +181,9 @@ def run_isolation(config: IsolationConfig, out_dir: Path) -> dict:
     flood_prompts = max(1, round(config.flood_factor * config.flood_pool_blocks * 16 / config.prefix_tokens))
     total = 2 * config.trials * len(config.modes) + 2 * flood_prompts
     with tqdm(total=total, desc="isolation", unit="probe") as progress:
-        server = ProbeServer(model, tokenizer)
-        try:
-            server.complete("victim", list(range(10, 10 + config.prefix_tokens)))  # warm-up
-            probes = run_probes(server, config, vocab, progress)
-        finally:
-            server.close()
+        probes = []
+        for mode in config.modes:
+            probes += run_probes(model, tokenizer, config, mode, vocab, progress)
         floods = [run_flood(model, tokenizer, config, fair, vocab, progress) for fair in (True, False)]
     summary = []
     for mode in config.modes:

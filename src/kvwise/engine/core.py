@@ -124,6 +124,8 @@ class EngineCore:
         self.sliding_layers = shape.sliding_layers
         self.peak_blocks = 0  # most blocks in use at once (benchmarks report peak KV memory)
         self.steps = 0
+        self.prefill_seconds_per_token = 0.0  # running estimate (see _measure_prefill)
+        self._prefill_samples: deque[tuple[int, float]] = deque(maxlen=64)
         self.step_log: deque[StepRecord] = deque(maxlen=1024)
 
     # ---- requests ------------------------------------------------------------------------------
@@ -241,7 +243,9 @@ class EngineCore:
                 f"{len(self.scheduler.waiting)} waiting requests do not fit {self.pool.num_blocks} blocks"
             )
         self.steps += 1
+        started = time.perf_counter()
         chunks, logits, compactions, failed = self._forward_isolating_faults(step.chunks)
+        self._measure_prefill(chunks, time.perf_counter() - started)
         if self.logits_observer is not None:
             self.logits_observer(chunks, logits)
         chunk_log = [(c.request.request_id, c.request.tenant, c.start, c.end) for c in step.chunks]
@@ -280,6 +284,24 @@ class EngineCore:
                 self.scheduler.finish(request)
             events.append(TokenEvent(request, token.token, reason))
         return events
+
+    def _measure_prefill(self, chunks, seconds: float) -> None:
+        """The marginal cost of a prefill token, from a least-squares line through recent
+        prefill-only steps (seconds = overhead + tokens x cost): the server's timing pad for
+        shared hits adds what the hit saved, and a step's fixed overhead is not part of that."""
+        if any(chunk.end - chunk.start == 1 for chunk in chunks):
+            return  # decodes in the step: its time says little about prefill
+        tokens = sum(chunk.end - chunk.start for chunk in chunks)
+        self._prefill_samples.append((tokens, seconds))
+        samples = self._prefill_samples
+        mean_tokens = sum(t for t, _ in samples) / len(samples)
+        mean_seconds = sum(s for _, s in samples) / len(samples)
+        spread = sum((t - mean_tokens) ** 2 for t, _ in samples)
+        if spread > 0:
+            slope = sum((t - mean_tokens) * (s - mean_seconds) for t, s in samples) / spread
+            self.prefill_seconds_per_token = max(0.0, slope)
+        else:
+            self.prefill_seconds_per_token = mean_seconds / max(1, mean_tokens)
 
     # ---- faults --------------------------------------------------------------------------------
     def _forward_isolating_faults(self, chunks):

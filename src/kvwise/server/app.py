@@ -51,6 +51,7 @@ class ServerSettings:
     metrics_max_tenants: int = 32  # tenants with a label of their own; the rest are "other"
     fair_queue: bool = True  # each active tenant holds at most an equal share of the queue
     body_timeout_seconds: float = 30.0  # the longest pause while a client sends its body
+    shared_timing_pad: bool = False  # hold a shared hit's first token as long as a miss would take
 
     @property
     def metrics_keys(self) -> list[str]:
@@ -107,7 +108,9 @@ def check_json_values(data, max_depth: int = 64) -> None:
 
 def create_app(core: EngineCore, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(core, settings.metrics_per_tenant, settings.metrics_max_tenants)
-    engine = AsyncEngine(core, settings.max_queue, metrics, fair=settings.fair_queue)
+    engine = AsyncEngine(
+        core, settings.max_queue, metrics, fair=settings.fair_queue, shared_timing_pad=settings.shared_timing_pad
+    )
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):

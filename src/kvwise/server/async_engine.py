@@ -26,12 +26,21 @@ class EngineFailure(Exception):
 
 
 class AsyncEngine:
-    def __init__(self, core: EngineCore, max_queue: int = 256, metrics: ServerMetrics | None = None, fair: bool = True):
+    def __init__(
+        self,
+        core: EngineCore,
+        max_queue: int = 256,
+        metrics: ServerMetrics | None = None,
+        fair: bool = True,
+        shared_timing_pad: bool = False,
+    ):
         """fair: each active tenant may hold at most an equal share of the queue, so one tenant
-        cannot fill it; the tenant over its share gets the 429."""
+        cannot fill it; the tenant over its share gets the 429. shared_timing_pad: a request that
+        hit the shared namespace gets its first token no sooner than a miss would have."""
         if max_queue < 1:
             raise ValueError(f"--max-queue must be >= 1, got {max_queue}")
-        self.core, self.max_queue, self.fair = core, max_queue, fair
+        self.core, self.max_queue, self.fair, self.shared_timing_pad = core, max_queue, fair, shared_timing_pad
+        self._held: dict[Request, list] = {}  # padded requests' events, released after their pad
         self.metrics = metrics or ServerMetrics(core)
         self.accepting = True
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -184,4 +193,29 @@ class AsyncEngine:
             item = EngineFailure(request.error or "internal error while computing this request")
         if isinstance(item, EngineFailure) or item.finish_reason is not None:
             del self._queues[request]
-        self._loop.call_soon_threadsafe(events.put_nowait, item)
+        pad = self._timing_pad(request, item)
+        self._loop.call_soon_threadsafe(self._hand_over, request, events, item, pad)
+
+    def _timing_pad(self, request: Request, item) -> float:
+        """Seconds to hold a request's first token: what computing its shared-namespace hit would
+        have cost, so a timing probe cannot tell that another tenant cached the prefix."""
+        if not self.shared_timing_pad or not isinstance(item, TokenEvent) or len(request.output) != 1:
+            return 0.0
+        segment = request.shared_prefix_tokens // self.core.pool.block_size * self.core.pool.block_size
+        return min(request.reused, segment) * self.core.prefill_seconds_per_token
+
+    def _hand_over(self, request: Request, events: asyncio.Queue, item, pad: float) -> None:
+        """On the event loop: queue `item` for its handler, holding a padded request's events back
+        (in order) until its pad has passed."""
+        held = self._held.get(request)
+        if held is not None:
+            held.append(item)
+        elif pad > 0:
+            self._held[request] = [item]
+            self._loop.call_later(pad, self._release_held, request, events)
+        else:
+            events.put_nowait(item)
+
+    def _release_held(self, request: Request, events: asyncio.Queue) -> None:
+        for item in self._held.pop(request, []):
+            events.put_nowait(item)

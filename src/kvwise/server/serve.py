@@ -72,6 +72,11 @@ def add_serve_arguments(parser) -> None:
         help="hex key(s) that key every cached block's identity, first line signing "
         "(default: generated on first start under $KVWISE_HOME/secrets)",
     )
+    parser.add_argument(
+        "--shared-timing-pad",
+        action="store_true",
+        help="hold a shared-namespace hit's first token as long as computing it would take (no timing signal)",
+    )
     parser.add_argument("--metrics-key", default=None, help="a key that may scrape /metrics, besides `admin` keys")
     parser.add_argument(
         "--metrics-per-tenant", action="store_true", help="label prefix-cache counters by tenant (default: off)"
@@ -132,6 +137,7 @@ def build_app(args):
         metrics_max_tenants=args.metrics_max_tenants,
         fair_queue=not args.no_fair_queue,
         body_timeout_seconds=args.body_timeout,
+        shared_timing_pad=args.shared_timing_pad,
     )
     return create_app(core, settings)
 

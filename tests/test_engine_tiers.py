@@ -96,17 +96,25 @@ def test_tenants_do_not_get_each_others_spilled_blocks(llama):
 
 def test_a_tenant_at_its_quota_cannot_flush_another(llama):
     """A 40-block pool: bob's four prompts would fill it and push alice's prefix out; with a
-    quota of 12 blocks he evicts his own prefixes instead."""
+    quota of 12 blocks, or the default fair shares (20 each), he evicts his own prefixes instead."""
     outcomes = {}
-    for quota in (None, 12):
-        config = CacheConfig(block_size=4, num_blocks=40, token_budget=64, max_running=4, prefix_quota_blocks=quota)
+    for name, quota, fair in (("none", None, False), ("quota", 12, False), ("fair", None, True)):
+        config = CacheConfig(
+            block_size=4,
+            num_blocks=40,
+            token_budget=64,
+            max_running=4,
+            prefix_quota_blocks=quota,
+            fair_prefix_shares=fair,
+        )
         core = EngineCore(llama, None, config)
         run(core, prompt(10), tenant="alice")
         for seed in range(11, 15):
             run(core, prompt(seed), tenant="bob")
-        outcomes[quota] = (core.tree.usage["bob"], run(core, prompt(10), tenant="alice").reused)
-    assert outcomes[None][1] == 0  # no quota: alice's prefix was flushed
-    assert outcomes[12][0] <= 12 and outcomes[12][1] == 40
+        outcomes[name] = (core.tree.usage["bob"], run(core, prompt(10), tenant="alice").reused)
+    assert outcomes["none"][1] == 0  # no quota at all: alice's prefix was flushed
+    assert outcomes["quota"][0] <= 12 and outcomes["quota"][1] == 40
+    assert outcomes["fair"][0] <= 20 and outcomes["fair"][1] == 40
 
 
 def test_tiers_need_prefix_caching(llama):
@@ -137,3 +145,57 @@ def test_serve_flags_build_the_tiers_in_order(tmp_path, monkeypatch):
     monkeypatch.delenv("KVWISE_REDIS_HMAC_KEY", raising=False)
     with pytest.raises(ValueError, match="HMAC key"):
         prefix_tiers(parser.parse_args(["--redis-url", "redis://127.0.0.1:1/0"]))
+
+
+def _damage(kind: str, files: list, directory) -> None:
+    """What an attacker with write access to the disk tier, but no key, can do to its files."""
+    import shutil
+
+    from kvwise.tiers.payload import encode_block
+
+    for index, path in enumerate(files):
+        data = bytearray(path.read_bytes())
+        if kind == "corrupted":
+            data[len(data) // 2] ^= 0x5A
+            path.write_bytes(bytes(data))
+        elif kind == "truncated":
+            path.write_bytes(bytes(data[: len(data) // 3]))
+        elif kind == "renamed":  # every file swapped with the next one's content
+            shutil.copyfile(files[(index + 1) % len(files)], path.with_suffix(".swap"))
+        elif kind == "forged":  # a well-formed block of zeros, with the unkeyed checksum
+            key = bytes.fromhex(path.stem)
+            path.write_bytes(encode_block(key, torch.zeros(3, 2, 4, 2, 16)))  # the right shape, no MAC key
+    if kind == "renamed":
+        for path in files:
+            path.with_suffix(".swap").replace(path)
+
+
+@pytest.mark.parametrize("kind", ["corrupted", "truncated", "renamed", "forged"])
+def test_every_tampered_disk_entry_is_detected_counted_and_recomputed(llama, tmp_path, kind):
+    mac = b"k" * 32
+    core = EngineCore(llama, None, CONFIG, tiers=[DiskTier(tmp_path, mac_key=mac)], namespace_key=b"n" * 32)
+    first = run(core, prompt(4))
+    flush_device(core, seed=5)
+    files = sorted(tmp_path.glob("*/*.kvb"))
+    assert len(files) >= 10
+    _damage(kind, files, tmp_path)
+    disk = core.prefix_tiers.tiers[0]
+    again = run(core, prompt(4))
+    assert again.output == first.output and again.reused == 0  # nothing tampered is served
+    assert disk.stats.corrupt >= 1 and disk.stats.hits == 0
+
+
+def test_entries_of_other_weights_are_misses(llama, tmp_path):
+    """The namespace holds a fingerprint of the weights, not a path: a checkpoint changed in place
+    finds nothing of the old one's on a shared disk tier."""
+    tier = DiskTier(tmp_path, mac_key=b"k" * 32)
+    core = EngineCore(llama, None, CONFIG, tiers=[tier], namespace_key=b"n" * 32)
+    run(core, prompt(4))
+    flush_device(core, seed=5)
+    with torch.no_grad():
+        llama.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # new weights, same object and path
+    llama._kvwise_fingerprint = None
+    llama._kvwise_attention_shapes = None
+    retrained = EngineCore(llama, None, CONFIG, tiers=[DiskTier(tmp_path, mac_key=b"k" * 32)], namespace_key=b"n" * 32)
+    again = run(retrained, prompt(4))
+    assert again.reused == 0 and retrained.prefix_stats.hits_tokens.get("disk", 0) == 0

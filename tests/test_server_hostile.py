@@ -236,3 +236,27 @@ def test_a_slowloris_client_is_closed_after_the_header_timeout(tmp_path):
         assert httpx.get(f"{slow.base_url}/health", timeout=5).status_code == 200
     finally:
         slow.stop()
+
+
+def test_a_dead_engine_thread_fails_new_requests_at_once_with_503(tmp_path):
+    from kvwise.models import load_model
+    from tests.base_model import save_base_model
+
+    model, tokenizer = load_model(str(save_base_model(tmp_path / "model", max_positions=64)), device="cpu")
+    core = EngineCore(model, tokenizer, CacheConfig(block_size=16, num_blocks=32))
+    live = InProcessServer(create_app(core, ServerSettings("tiny")))
+    try:
+        def die():
+            raise SystemExit("the engine thread died")  # not an Exception: the loop does not catch it
+
+        live.engine._turn = die
+        live.engine._wake.set()
+        live.engine._thread.join(10)
+        assert not live.engine._thread.is_alive()
+        started = time.perf_counter()
+        answer = httpx.post(f"{live.base_url}/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=10)
+        assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_down"
+        assert time.perf_counter() - started < 1.0
+        assert httpx.get(f"{live.base_url}/health/live", timeout=5).status_code == 503
+    finally:
+        live.stop()

@@ -95,6 +95,8 @@ class RadixCache:
         if not self.fair_share:
             return math.inf
         others = sum(1 for name, held in self.usage.items() if held > 0 and name != tenant)
+        if others == 0:
+            return math.inf  # alone, a tenant may use the whole pool
         return max(1, self.pool.num_blocks // (others + 1))
 
     # ---- lookups -----------------------------------------------------------------------------

@@ -94,10 +94,32 @@ def add_bench_parsers(workloads) -> None:
     isolation.add_argument("--quick", action="store_true", help="20 probes per class, 256-token prefixes")
 
 
+    load = workloads.add_parser("load", help="concurrent streaming clients with hang-ups against a live server")
+    load.add_argument("--model", default=None)
+    load.add_argument("--clients", type=int, default=None, help="concurrent streaming clients (default 64)")
+    load.add_argument("--duration", type=float, default=None, help="seconds of load (default 60)")
+    load.add_argument("--hangup-fraction", type=float, default=None, help="streams that hang up early (0.25)")
+    load.add_argument("--out", type=Path, default=Path("results"))
+    load.add_argument("--quick", action="store_true", help="16 clients for 15 s")
+
+
 def run_bench(args) -> None:
     commands = {"niah": _niah, "ppl": _ppl, "reuse": _reuse, "throughput": _throughput, "rag": _rag}
-    commands["isolation"] = _isolation
+    commands["isolation"], commands["load"] = _isolation, _load
     commands[args.workload](args)
+
+
+def _load(args) -> None:
+    from kvwise.bench.load import LoadConfig, run_load
+
+    config = LoadConfig(model=args.model)
+    if args.quick:
+        config.clients, config.duration_seconds = 16, 15.0
+    args.duration_seconds = args.duration
+    _override(config, args, ("clients", "duration_seconds", "hangup_fraction"))
+    run_load(config, args.out)
+    print((args.out / "load.md").read_text())
+    print(f"wrote {args.out / 'load.json'}")
 
 
 def _isolation(args) -> None:

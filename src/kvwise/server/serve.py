@@ -181,6 +181,24 @@ def prefix_tiers(args, namespace_key: bytes = b"") -> list:
     return tiers
 
 
+def install_key_reload(settings, path: str) -> None:
+    """SIGHUP re-reads the API key file: keys are added, revoked or re-permissioned without a
+    restart. A file that does not parse is refused with a log line and the old keys stay."""
+    import signal
+
+    from kvwise.server.api_keys import load_api_keys
+
+    def reload(signum, frame):
+        try:
+            settings.api_keys = load_api_keys(path)  # one assignment: a request sees old or new keys
+        except ValueError as error:
+            log.error("SIGHUP: kept the previous API keys: %s", error)
+            return
+        log.warning("SIGHUP: reloaded %d API keys from %s", len(settings.api_keys), path)
+
+    signal.signal(signal.SIGHUP, reload)
+
+
 def run_server(args) -> None:
     import uvicorn
 
@@ -203,6 +221,8 @@ def run_server(args) -> None:
                     getattr(self, "_captured_signals", []).clear()
 
     app = build_app(args)
+    if args.api_keys:
+        install_key_reload(app.state.settings, args.api_keys)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     print(f"kvwise: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops after running requests finish)")
     config = uvicorn.Config(

@@ -1,0 +1,196 @@
+"""`kvwise bench load`: many streaming clients against a live server, some hanging up mid-stream.
+
+A server on loopback (the embedded model by default), `clients` threads each streaming
+completions back to back for `duration_seconds`; a `hangup_fraction` of the streams close the
+connection after a few chunks. Reported: status codes, TTFT and TPOT percentiles of the streams
+that finished, process memory and pool blocks over time, and once the server is idle again the
+blocks still held outside the prefix cache and the prefix-cache locks (both must be 0).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import resource
+import threading
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from kvwise.bench.environment import system_info
+from kvwise.bench.stats import percentile
+
+
+@dataclass
+class LoadConfig:
+    model: str | None = None
+    clients: int = 64
+    duration_seconds: float = 60.0
+    hangup_fraction: float = 0.25
+    max_tokens: int = 32
+    prompt_words: tuple[int, int] = (16, 160)
+    max_queue: int = 256
+    seed: int = 0
+
+    def __post_init__(self):
+        if self.clients < 1 or self.duration_seconds <= 0 or not 0 <= self.hangup_fraction <= 1:
+            raise ValueError("clients >= 1, duration_seconds > 0 and hangup_fraction in [0, 1]")
+
+
+def _rss_bytes() -> int:
+    try:
+        with open(f"/proc/{os.getpid()}/statm") as statm:
+            return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _client(base_url: str, config: LoadConfig, words: list[str], index: int, deadline: float, records: list) -> None:
+    import httpx
+
+    rng = random.Random(f"{config.seed}-{index}")
+    with httpx.Client(base_url=base_url, timeout=120) as http:
+        while time.monotonic() < deadline:
+            start = rng.randrange(0, len(words) - config.prompt_words[1])
+            prompt = " ".join(words[start : start + rng.randint(*config.prompt_words)])
+            hang_up_after = rng.randint(1, 4) if rng.random() < config.hangup_fraction else None
+            body = {"model": "load", "prompt": prompt, "max_tokens": config.max_tokens, "stream": True}
+            sent, first, chunks, status = time.monotonic(), None, 0, None
+            try:
+                with http.stream("POST", "/v1/completions", json=body) as answer:
+                    status = answer.status_code
+                    for line in answer.iter_lines():
+                        if not line.startswith("data: ") or line == "data: [DONE]":
+                            continue
+                        chunks += 1
+                        first = first or time.monotonic()
+                        if hang_up_after is not None and chunks >= hang_up_after:
+                            break  # leaving the block closes the connection mid-stream
+            except httpx.HTTPError as error:
+                status = f"error:{type(error).__name__}"
+            finished = time.monotonic()
+            records.append(
+                {
+                    "status": status,
+                    "hung_up": hang_up_after is not None,
+                    "ttft": None if first is None else first - sent,
+                    "tpot": None if first is None or chunks < 2 else (finished - first) / (chunks - 1),
+                }
+            )
+
+
+def run_load(config: LoadConfig, out_dir: Path) -> dict:
+    from kvwise.bench.haystack import read_haystack
+    from kvwise.bench.loopback_server import LoopbackServer
+    from kvwise.engine.config import CacheConfig
+    from kvwise.engine.core import EngineCore
+    from kvwise.models import load_model
+    from kvwise.server.app import ServerSettings, create_app
+
+    model, tokenizer = load_model(config.model)
+    words = read_haystack().split()
+    core = EngineCore(model, tokenizer, CacheConfig())
+    server = LoopbackServer(create_app(core, ServerSettings("load", max_queue=config.max_queue)))
+    records: list[dict] = []
+    samples: list[dict] = []
+    started = time.monotonic()
+    deadline = started + config.duration_seconds
+    stop_sampling = threading.Event()
+
+    def sample():
+        while not stop_sampling.wait(0.5):
+            used = core.pool.stats().used
+            samples.append({"t": time.monotonic() - started, "rss_bytes": _rss_bytes(), "used_blocks": used})
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    threads = [
+        threading.Thread(target=_client, args=(server.base_url, config, words, i, deadline, records), daemon=True)
+        for i in range(config.clients)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(config.duration_seconds + 300)
+    idle_deadline = time.monotonic() + 60
+    while (core.scheduler.running or core.scheduler.waiting) and time.monotonic() < idle_deadline:
+        time.sleep(0.1)  # hung-up requests are cancelled on the engine thread
+    stop_sampling.set()
+    sampler.join()
+    tree_blocks = len(core.tree) if core.tree is not None else 0
+    leaked = core.pool.stats().used - tree_blocks
+    locks = sum(node.locks for node in core.tree.nodes()) if core.tree is not None else 0
+    server.stop()
+    done = [r for r in records if not r["hung_up"] and r["ttft"] is not None]
+    ttfts, tpots = [r["ttft"] for r in done], [r["tpot"] for r in done if r["tpot"] is not None]
+    summary = {
+        "requests": len(records),
+        "hung_up": sum(r["hung_up"] for r in records),
+        "statuses": dict(Counter(str(r["status"]) for r in records)),
+        "ttft_p50": percentile(ttfts, 0.5) if ttfts else None,
+        "ttft_p99": percentile(ttfts, 0.99) if ttfts else None,
+        "tpot_p50": percentile(tpots, 0.5) if tpots else None,
+        "tpot_p99": percentile(tpots, 0.99) if tpots else None,
+        "peak_rss_bytes": max((s["rss_bytes"] for s in samples), default=_rss_bytes()),
+        "leaked_blocks": leaked,
+        "prefix_locks": locks,
+    }
+    report = {
+        "workload": "load",
+        "config": asdict(config),
+        "system": system_info(model.device),
+        "results": {"summary": summary, "samples": samples, "requests": records},
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "load.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "load.md").write_text(markdown(report))
+    _plot(report, out_dir / "load_memory.png")
+    return report
+
+
+def markdown(report: dict) -> str:
+    config, summary = report["config"], report["results"]["summary"]
+
+    def seconds(value):
+        return "-" if value is None else f"{value:.3f}"
+
+    return "\n".join(
+        [
+            f"Load, model={config['model'] or 'SmolLM2-135M-Instruct'}, {config['clients']} streaming clients for "
+            f"{config['duration_seconds']:.0f} s, {config['hangup_fraction']:.0%} hang up mid-stream, "
+            f"{config['max_tokens']} tokens each",
+            "",
+            "| requests | hung up | statuses | TTFT p50 / p99 (s) | TPOT p50 / p99 (s) | peak RSS (MB) | "
+            "leaked blocks | prefix locks |",
+            "|---|---|---|---|---|---|---|---|",
+            f"| {summary['requests']} | {summary['hung_up']} | "
+            + ", ".join(f"{code}: {count}" for code, count in sorted(summary["statuses"].items()))
+            + f" | {seconds(summary['ttft_p50'])} / {seconds(summary['ttft_p99'])} | "
+            f"{seconds(summary['tpot_p50'])} / {seconds(summary['tpot_p99'])} | "
+            f"{summary['peak_rss_bytes'] / 2**20:.0f} | {summary['leaked_blocks']} | {summary['prefix_locks']} |",
+            "",
+        ]
+    )
+
+
+def _plot(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = report["results"]["samples"]
+    figure, memory = plt.subplots(figsize=(7, 3.5))
+    times = [s["t"] for s in samples]
+    memory.plot(times, [s["rss_bytes"] / 2**20 for s in samples], label="process RSS (MB)")
+    memory.set_xlabel("seconds")
+    memory.set_ylabel("MB")
+    blocks = memory.twinx()
+    blocks.plot(times, [s["used_blocks"] for s in samples], color="tab:orange", label="pool blocks in use")
+    blocks.set_ylabel("blocks")
+    figure.legend(loc="upper right")
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)

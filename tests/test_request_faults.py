@@ -113,3 +113,39 @@ def test_a_fault_in_a_step_fails_only_the_request_that_raises(llama, monkeypatch
     assert {canary.request_id, poison.request_id} <= {c[0] for c in failed_step.chunks}
     assert not core.scheduler.running and not core.scheduler.waiting
     assert core.pool.stats().used == len(core.tree)  # the failed request's blocks are back; only the cache holds any
+
+
+def test_a_flooding_tenant_gets_the_429_and_another_keeps_its_share(llama):
+    """max_queue 8, two tenants known: alice, flooding first at twice the queue, is held to half of
+    it; bob, arriving later and under his share, is never refused."""
+    import asyncio
+
+    from kvwise.server.async_engine import AsyncEngine
+    from kvwise.server.protocol import OpenAIError
+
+    core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=64))
+    engine = AsyncEngine(core, max_queue=8, tenants=2)  # not started: everything submitted stays queued
+
+    def submit(tenant: str) -> bool:
+        request = core.make_request([5, 6, 7], SamplingParams(max_tokens=1), tenant=tenant)
+        try:
+            engine.submit([request])
+            return True
+        except OpenAIError as error:
+            assert error.status == 429 and error.code in ("tenant_queue_full", "queue_full")
+            return False
+
+    async def scenario():
+        alice = sum(submit("alice") for _ in range(16))
+        bob = [submit("bob") for _ in range(4)]
+        return alice, bob
+
+    alice, bob = asyncio.run(scenario())
+    assert alice == 4 and bob == [True] * 4
+    alone = AsyncEngine(core, max_queue=8, tenants=1)
+    engine = alone
+
+    async def single():
+        return sum(submit("solo") for _ in range(10))
+
+    assert asyncio.run(single()) == 8  # a server with one tenant lets it use the whole queue

@@ -108,8 +108,14 @@ def check_json_values(data, max_depth: int = 64) -> None:
 
 def create_app(core: EngineCore, settings: ServerSettings) -> FastAPI:
     metrics = ServerMetrics(core, settings.metrics_per_tenant, settings.metrics_max_tenants)
+    tenants = len({entry.tenant for entry in (settings.api_keys or {}).values()}) or 1
     engine = AsyncEngine(
-        core, settings.max_queue, metrics, fair=settings.fair_queue, shared_timing_pad=settings.shared_timing_pad
+        core,
+        settings.max_queue,
+        metrics,
+        fair=settings.fair_queue,
+        shared_timing_pad=settings.shared_timing_pad,
+        tenants=tenants,
     )
 
     @asynccontextmanager
@@ -323,7 +329,11 @@ class _Handlers:
             return 0
         messages = [{"role": m.role, "content": m.text()} for m in body.messages[:count]]
         template = self.settings.chat_template
-        head = self.core.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+        try:
+            head = self.core.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False)
+        except Exception as error:  # templates raise their own exception types (jinja2, ValueError)
+            message = f"the chat template refused the marked messages: {error}"
+            raise OpenAIError(400, message, param="kv_prefix") from None
         head_ids = self.core.encode(head, add_special_tokens=False) if head else []
         if prompts[0][: len(head_ids)] != head_ids:
             raise OpenAIError(

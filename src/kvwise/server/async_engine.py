@@ -33,13 +33,16 @@ class AsyncEngine:
         metrics: ServerMetrics | None = None,
         fair: bool = True,
         shared_timing_pad: bool = False,
+        tenants: int = 1,
     ):
         """fair: each active tenant may hold at most an equal share of the queue, so one tenant
         cannot fill it; the tenant over its share gets the 429. shared_timing_pad: a request that
-        hit the shared namespace gets its first token no sooner than a miss would have."""
+        hit the shared namespace gets its first token no sooner than a miss would have. tenants:
+        how many tenants the server knows (its key file's)."""
         if max_queue < 1:
             raise ValueError(f"--max-queue must be >= 1, got {max_queue}")
         self.core, self.max_queue, self.fair, self.shared_timing_pad = core, max_queue, fair, shared_timing_pad
+        self.tenants = tenants
         self._held: dict[Request, list] = {}  # padded requests' events, released after their pad
         self.metrics = metrics or ServerMetrics(core)
         self.accepting = True
@@ -82,7 +85,9 @@ class AsyncEngine:
         tenant = requests[0].tenant if requests else None
         if self.fair and tenant is not None:
             queued, active = self._queued_by_tenant()
-            share = max(1, self.max_queue // len(active | {tenant}))
+            # with several tenants configured, nobody takes more than half: a newcomer finds room
+            sharing = max(len(active | {tenant}), min(2, self.tenants))
+            share = max(1, self.max_queue // sharing)
             if queued.get(tenant, 0) + len(requests) > share:
                 self.metrics.rejected.inc()
                 raise OpenAIError(

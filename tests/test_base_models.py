@@ -118,3 +118,14 @@ def test_check_model_prints_a_verdict_per_check(model_dir, tmp_path):
     assert result.returncode == 0, result.stdout + result.stderr
     assert len(lines) == 6 and all(line.startswith("PASS") for line in lines)
     assert "5 sliding-window" in result.stdout and "verdict: supported" in result.stdout
+
+
+def test_bench_niah_runs_on_a_base_model_with_a_plain_prompt(model_dir, tmp_path):
+    from kvwise.bench.niah import NiahConfig, run_niah
+
+    config = NiahConfig(
+        policies=["full", "snapkv"], ratios=[0.5], lengths=[120], depths=[0.5], trials_per_depth=1, model=str(model_dir)
+    )
+    report = run_niah(config, tmp_path)
+    assert "plain prompt" in report["prompt_format"] and len(report["results"]) == 2
+    assert "prompt=plain prompt (the tokenizer has no chat template)" in (tmp_path / "niah.md").read_text()

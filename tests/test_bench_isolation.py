@@ -18,7 +18,7 @@ def test_roc_auc():
 
 
 def test_isolation_bench(tmp_path):
-    config = IsolationConfig(trials=20, prefix_tokens=128, victim_repeats=3, flood_pool_blocks=64)
+    config = IsolationConfig(trials=20, prefix_tokens=128, victim_repeats=3, flood_pool_blocks=64, flood_factor=1.5)
     run_isolation(config, tmp_path)
     report = json.loads((tmp_path / "isolation.json").read_text())
     probes = {row["mode"]: row for row in report["results"]["probes"]}

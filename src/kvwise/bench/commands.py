@@ -92,6 +92,7 @@ def add_bench_parsers(workloads) -> None:
     isolation.add_argument("--seed", type=int, default=None)
     isolation.add_argument("--out", type=Path, default=Path("results"))
     isolation.add_argument("--quick", action="store_true", help="20 probes per class, 256-token prefixes")
+    isolation.add_argument("--flood-only", action="store_true", help="only the flood test, no timing probes")
 
 
     load = workloads.add_parser("load", help="concurrent streaming clients with hang-ups against a live server")
@@ -131,6 +132,7 @@ def _isolation(args) -> None:
     if args.modes is not None:
         args.modes = tuple(args.modes)
     _override(config, args, ("trials", "prefix_tokens", "modes", "seed"))
+    config.probes = not args.flood_only
     run_isolation(config, args.out)
     print((args.out / "isolation.md").read_text())
     print(f"wrote {args.out / 'isolation.json'}")

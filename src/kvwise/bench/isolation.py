@@ -11,9 +11,9 @@ A live server on loopback (the embedded model by default), two tenants with thei
     AUC must be high: the positive control, which shows the probe is strong enough to count.
   - `shared-padded`: the same, on a server with `--shared-timing-pad`: a shared hit's first token
     is held as long as computing the hit would have taken, so the AUC falls back towards 0.5.
-- **Flooding.** The victim repeats one prefix while the flooder sends unique prompts totalling
-  `flood_factor` times the pool. Reported: the victim's hit rate on its prefix, with fair
-  prefix-cache shares (the default) and without them, in the same run.
+- **Flooding.** The victim repeats one prefix while the flooder sends unique prompts, totalling
+  `flood_factor` times the pool between two of the victim's requests. Reported: the victim's hit
+  rate on its prefix, with fair prefix-cache shares (the default) and without them, in one run.
 """
 
 from __future__ import annotations
@@ -39,7 +39,8 @@ class IsolationConfig:
     prefix_tokens: int = 512
     suffix_tokens: int = 8
     modes: tuple[str, ...] = MODES
-    flood_factor: float = 3.0  # the flooder's unique tokens, in pools
+    flood_factor: float = 3.0  # the flooder's unique tokens between two victim requests, in pools
+    probes: bool = True  # False: the flood test only
     flood_pool_blocks: int = 128  # the flood test's pool (16-token blocks)
     victim_repeats: int = 8
     seed: int = 0
@@ -155,8 +156,8 @@ def run_flood(model, tokenizer, config: IsolationConfig, fair: bool, vocab: int,
     try:
         prefix = [rng.randrange(10, vocab) for _ in range(config.prefix_tokens)]
         pool_tokens = config.flood_pool_blocks * 16
-        flood_prompts = max(1, round(config.flood_factor * pool_tokens / config.prefix_tokens))
-        per_round = max(1, flood_prompts // (config.victim_repeats - 1))
+        # between two of the victim's requests the flooder sends flood_factor pools of unique tokens
+        per_round = max(1, round(config.flood_factor * pool_tokens / config.prefix_tokens))
         server.complete("victim", prefix + [11, 12])
         hits_before, sent = server.hits("victim"), 0
         for repeat in range(config.victim_repeats - 1):
@@ -178,15 +179,16 @@ def run_isolation(config: IsolationConfig, out_dir: Path) -> dict:
 
     model, tokenizer = load_model(config.model)
     vocab = model.get_input_embeddings().num_embeddings
-    flood_prompts = max(1, round(config.flood_factor * config.flood_pool_blocks * 16 / config.prefix_tokens))
-    total = 2 * config.trials * len(config.modes) + 2 * flood_prompts
+    per_round = max(1, round(config.flood_factor * config.flood_pool_blocks * 16 / config.prefix_tokens))
+    modes = config.modes if config.probes else ()
+    total = 2 * config.trials * len(modes) + 2 * per_round * (config.victim_repeats - 1)
     with tqdm(total=total, desc="isolation", unit="probe") as progress:
         probes = []
-        for mode in config.modes:
+        for mode in modes:
             probes += run_probes(model, tokenizer, config, mode, vocab, progress)
         floods = [run_flood(model, tokenizer, config, fair, vocab, progress) for fair in (True, False)]
     summary = []
-    for mode in config.modes:
+    for mode in modes:
         rows = [probe for probe in probes if probe.mode == mode]
         targets = [probe for probe in rows if probe.target]
         controls = [probe for probe in rows if not probe.target]
@@ -210,7 +212,8 @@ def run_isolation(config: IsolationConfig, out_dir: Path) -> dict:
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "isolation.json").write_text(json.dumps(report, indent=1))
     (out_dir / "isolation.md").write_text(markdown(report))
-    _plot(report, out_dir / "isolation_ttft.png")
+    if modes:
+        _plot(report, out_dir / "isolation_ttft.png")
     return report
 
 
@@ -221,12 +224,15 @@ def markdown(report: dict) -> str:
         f"mode, {config['prefix_tokens']}-token prefixes, seed={config['seed']}",
         f"system: kvwise {system['kvwise']}, torch {system['torch']}, {system['device']} ({system['hardware']})",
         "",
-        "Timing probe: the prober sends the victim's cached prefix (target) or a fresh one (control); "
-        "AUC = P(control TTFT > target TTFT); 0.5 is no signal.",
-        "",
-        "| mode | target hits | control hits | AUC | TTFT median target / control (s) |",
-        "|---|---|---|---|---|",
     ]
+    if report["results"]["probes"]:
+        lines += [
+            "Timing probe: the prober sends the victim's cached prefix (target) or a fresh one (control); "
+            "AUC = P(control TTFT > target TTFT); 0.5 is no signal.",
+            "",
+            "| mode | target hits | control hits | AUC | TTFT median target / control (s) |",
+            "|---|---|---|---|---|",
+        ]
     for row in report["results"]["probes"]:
         lines.append(
             f"| {row['mode']} | {row['target_hits']}/{row['trials_per_class']} | "
@@ -235,7 +241,7 @@ def markdown(report: dict) -> str:
         )
     flood_title = "Flooding: the victim's hit rate on its repeated prefix while another tenant sends unique prompts."
     lines += ["", flood_title, ""]
-    lines += ["| fair prefix shares | victim hit rate | flood tokens / pool tokens |", "|---|---|---|"]
+    lines += ["| fair prefix shares | victim hit rate | flood tokens / pool tokens, in all |", "|---|---|---|"]
     for row in report["results"]["flood"]:
         lines.append(
             f"| {'on' if row['fair_prefix_shares'] else 'off'} | {row['victim_hit_rate']:.2f} | "

@@ -62,11 +62,17 @@ def relative_error(reference: torch.Tensor, other: torch.Tensor) -> float:
     return float((reference.float() - other.float()).abs().max()) / scale
 
 
-def model_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
-    """`model.generate` greedy with the model's own cache, never stopping early at EOS."""
+def greedy_config(model, max_tokens: int):
+    """The model's generation config, greedy for `max_tokens` tokens, never stopping early at EOS."""
     config = copy.deepcopy(model.generation_config)
     config.eos_token_id, config.pad_token_id = None, 0
     config.do_sample, config.max_new_tokens, config.min_new_tokens = False, max_tokens, None
+    return config
+
+
+def model_greedy(model, prompt: list[int], max_tokens: int) -> list[int]:
+    """`model.generate` greedy with the model's own cache, never stopping early at EOS."""
+    config = greedy_config(model, max_tokens)
     with reference_attention(model), torch.no_grad():
         ids = torch.tensor([prompt], device=model.device)
         return model.generate(ids, generation_config=config)[0, len(prompt) :].tolist()
@@ -145,9 +151,7 @@ def check_engine(
 
 def _generate_logits(model, ids: torch.Tensor, max_tokens: int, cache=None) -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens [1, n], logits [steps, vocab]) of greedy generate, with `cache` or the model's own."""
-    config = copy.deepcopy(model.generation_config)
-    config.eos_token_id, config.pad_token_id = None, 0
-    config.do_sample, config.max_new_tokens, config.min_new_tokens = False, max_tokens, None
+    config = greedy_config(model, max_tokens)
     config.output_logits, config.return_dict_in_generate = True, True
     with torch.no_grad():
         out = model.generate(ids, generation_config=config, **({} if cache is None else {"cache": cache}))

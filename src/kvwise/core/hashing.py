@@ -12,6 +12,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 
 KEY_BYTES = 32
 ROOT_KEY = bytes(KEY_BYTES)
@@ -35,12 +36,16 @@ class Namespace:
     secret: bytes = field(default=b"", repr=False)
 
     def digest(self) -> bytes:
+        return self._digest
+
+    @cached_property
+    def _digest(self) -> bytes:  # once per namespace: lookups ask for it at every block
         fields = "\x00".join((self.model_id, self.tenant, self.kv_format)).encode()
         return hashlib.blake2b(fields, digest_size=KEY_BYTES, key=self.secret[:64], person=b"kvwise-ns").digest()
 
     def digest_at(self, block_index: int) -> bytes:
         """The namespace digest of block `block_index` of a sequence (one for every block here)."""
-        return self.digest()
+        return self._digest
 
     def shared(self) -> Namespace:
         return Namespace(self.model_id, SHARED_TENANT, self.kv_format, self.secret)
@@ -65,7 +70,11 @@ class SegmentedNamespace:
         return self.own.tenant
 
     def digest_at(self, block_index: int) -> bytes:
-        return (self.own.shared() if block_index < self.shared_blocks else self.own).digest()
+        return self._shared_digest if block_index < self.shared_blocks else self.own.digest()
+
+    @cached_property
+    def _shared_digest(self) -> bytes:
+        return self.own.shared().digest()
 
 
 def block_key(parent_key: bytes, token_ids: Sequence[int], namespace_digest: bytes) -> bytes:

@@ -1,9 +1,9 @@
 """Secret keys in files: the namespace key that keys every block's identity, and others like it.
 
-A key file holds one key per line, hex; the first line signs (and keys new blocks) and every
-line is accepted when verifying, so a key can be rotated by adding a new first line. When no file
-is given, one is generated on first use under `$KVWISE_HOME/secrets/` with mode 0600, so two
-servers share block keys only when they share the file.
+A key file holds one or more keys, hex, one per line; the first line is the key in use (later
+lines are read but not used yet). When no file is given, one is generated on first use under
+`$KVWISE_HOME/secrets/` with mode 0600, so two servers share block keys only when they share the
+file.
 """
 
 from __future__ import annotations
@@ -62,3 +62,8 @@ def load_or_create_key(path: str | Path | None, name: str) -> bytes:
         finally:
             staging.unlink()
     return load_keys(target)[0]
+
+
+def namespace_key(given: bytes | None = None) -> bytes:
+    """The key that keys every block's identity: `given`, else the default file's (made on first use)."""
+    return given if given is not None else load_or_create_key(None, "namespace")

@@ -18,7 +18,7 @@ import torch
 
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.radix import RadixCache
-from kvwise.core.secret_keys import load_or_create_key
+from kvwise.core.secret_keys import namespace_key as default_namespace_key
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.detokenizer import IncrementalText
 from kvwise.engine.kv_settings import KVSettings
@@ -108,7 +108,7 @@ class EngineCore:
             default_namespace(
                 shape.model_id,
                 str(shape.dtype),
-                namespace_key if namespace_key is not None else load_or_create_key(None, "namespace"),
+                default_namespace_key(namespace_key),
                 config.block_size,
             ),
             config.token_budget,

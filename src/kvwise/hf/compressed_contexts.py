@@ -17,7 +17,7 @@ import safetensors.torch
 import torch
 
 from kvwise.core.hashing import ROOT_KEY, Namespace, block_key
-from kvwise.core.secret_keys import load_or_create_key
+from kvwise.core.secret_keys import namespace_key as default_namespace_key
 from kvwise.hf.cache import KVWiseCache
 from kvwise.hf.geometry import kv_geometry
 from kvwise.hf.layer import CompressingLayer
@@ -44,7 +44,7 @@ class CompressedContexts:
     def __init__(self, tier: Tier, tenant: str = "default", shared: bool = False, namespace_key: bytes | None = None):
         """namespace_key: keys the entries' names (default: the key file under $KVWISE_HOME/secrets)."""
         self.tier, self.tenant, self.shared = tier, tenant, shared
-        self.secret = namespace_key if namespace_key is not None else load_or_create_key(None, "namespace")
+        self.secret = default_namespace_key(namespace_key)
         self.hits = self.misses = 0
 
     def key(self, model, context_ids: torch.Tensor, policy, ratio: float, quant, **policy_kwargs) -> bytes:

@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.hashing import Namespace, chain_keys
 from kvwise.core.radix import RadixCache
-from kvwise.core.secret_keys import load_or_create_key
+from kvwise.core.secret_keys import namespace_key as default_namespace_key
 from kvwise.hf.geometry import kv_geometry, paged_storage_for
 from kvwise.kv.prefix_tiers import PrefixTiers, ReuseStats
 from kvwise.tiers.base import Tier
@@ -58,8 +58,7 @@ class PrefixReuse:
     ):
         shape = kv_geometry(model)
         self.model, self.block_size, self.num_layers = model, block_size, shape.num_layers
-        secret = namespace_key if namespace_key is not None else load_or_create_key(None, "namespace")
-        namespace = Namespace(shape.model_id, tenant, str(shape.dtype), secret)
+        namespace = Namespace(shape.model_id, tenant, str(shape.dtype), default_namespace_key(namespace_key))
         self.namespace = namespace.shared() if shared else namespace
         self.pool = BlockPool(device_blocks, block_size)
         self.storage = paged_storage_for(model, device_blocks, block_size)

@@ -81,6 +81,12 @@ def parse_kv_quant_options(text: str | None) -> frozenset[str]:
     return frozenset(quantizer.spec for quantizer in map(make_quantizer, names) if quantizer is not None)
 
 
+def bearer_key(request: Request) -> str | None:
+    """The key of an `Authorization: Bearer KEY` header, or None."""
+    scheme, _, key = request.headers.get("authorization", "").partition(" ")
+    return key.strip() if scheme.lower() == "bearer" and key.strip() else None
+
+
 def check_json_values(data, max_depth: int = 64) -> None:
     """Refuse bodies that nest deeper than `max_depth` or hold strings with lone UTF-16
     surrogates (valid JSON escapes, but no tokenizer can encode them), before any handler sees them."""
@@ -195,11 +201,10 @@ class _Handlers:
         shared = header in ("true", "1", "yes")
         if self.settings.api_keys is None:
             return Caller("default", shared)
-        authorization = request.headers.get("authorization", "")
-        scheme, _, key = authorization.partition(" ")
-        if scheme.lower() != "bearer" or not key.strip():
+        key = bearer_key(request)
+        if key is None:
             raise OpenAIError(401, "missing API key: send `Authorization: Bearer KEY`", code="invalid_api_key")
-        entry = find_key(self.settings.api_keys, key.strip())
+        entry = find_key(self.settings.api_keys, key)
         if entry is None:
             raise OpenAIError(401, "invalid API key", code="invalid_api_key")
         return Caller(
@@ -211,9 +216,8 @@ class _Handlers:
         allowed = self.settings.metrics_keys
         if self.settings.api_keys is None and not allowed:
             return
-        scheme, _, key = request.headers.get("authorization", "").partition(" ")
-        key = key.strip()
-        if scheme.lower() != "bearer" or not key:
+        key = bearer_key(request)
+        if key is None:
             message = "/metrics needs an admin key: send `Authorization: Bearer KEY`"
             raise OpenAIError(401, message, code="invalid_api_key")
         if not any(hmac.compare_digest(key.encode(), admin.encode()) for admin in allowed):

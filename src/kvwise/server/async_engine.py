@@ -14,7 +14,7 @@ import queue
 import threading
 
 from kvwise.engine.core import EngineCore, TokenEvent
-from kvwise.engine.request import Request
+from kvwise.engine.request import Request, Status
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.protocol import OpenAIError
 
@@ -112,7 +112,7 @@ class AsyncEngine:
         running = {request.tenant for request in list(self.core.scheduler.running)}
         queued: dict[str, int] = {}
         for request, tenant in list(self._queued_tenants.items()):
-            if request.status.value == "waiting" and not request.preemptions and not request.done:
+            if request.status is Status.WAITING and not request.preemptions:
                 queued[tenant] = queued.get(tenant, 0) + 1
             else:
                 self._queued_tenants.pop(request, None)

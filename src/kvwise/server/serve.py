@@ -122,9 +122,7 @@ def build_app(args):
     tiers = prefix_tiers(args, namespace_key)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     name = args.served_model_name or (EMBEDDED_NAME if args.model is None else Path(args.model.rstrip("/")).name)
-    core = EngineCore(
-        model, tokenizer, cache, tiers, namespace_key=load_or_create_key(args.namespace_key_file, "namespace")
-    )
+    core = EngineCore(model, tokenizer, cache, tiers, namespace_key=namespace_key)
     settings = ServerSettings(
         name,
         keys,

@@ -150,3 +150,17 @@ def test_a_newcomer_locking_the_only_evictable_prefix_does_not_stall_a_running_p
     scheduler.add(Request(list(range(16)) + [7, 7, 7, 7], SamplingParams(max_tokens=1)))
     step = scheduler.schedule()
     assert [(c.request, c.start) for c in step.prefills] == [(running, 16)] and not step.preempted
+
+
+def test_running_slots_go_round_the_tenants():
+    """A tenant that queued a burst first does not take every running slot: the next slot goes
+    to the tenant running the fewest, so the other tenant runs its fair half at once."""
+    _, _, scheduler = make(budget=256, max_running=4)
+    burst = [Request(list(range(100 * i, 100 * i + 8)), tenant="alice") for i in range(1, 9)]
+    others = [Request(list(range(5000 + 100 * i, 5000 + 100 * i + 8)), tenant="bob") for i in range(2)]
+    for request in burst + others:
+        scheduler.add(request)
+    scheduler.schedule()
+    running = [request.tenant for request in scheduler.running]
+    assert running.count("bob") == 2 and running.count("alice") == 2
+    assert [request for request in burst if request.status is Status.RUNNING] == burst[:2]  # alice's in order

@@ -47,6 +47,10 @@ class Namespace:
         """The namespace digest of block `block_index` of a sequence (one for every block here)."""
         return self._digest
 
+    def with_secret(self, secret: bytes) -> Namespace:
+        """The same namespace under another server secret (a retired key during a rotation)."""
+        return Namespace(self.model_id, self.tenant, self.kv_format, secret)
+
     def shared(self) -> Namespace:
         return Namespace(self.model_id, SHARED_TENANT, self.kv_format, self.secret)
 
@@ -71,6 +75,9 @@ class SegmentedNamespace:
 
     def digest_at(self, block_index: int) -> bytes:
         return self._shared_digest if block_index < self.shared_blocks else self.own.digest()
+
+    def with_secret(self, secret: bytes) -> SegmentedNamespace:
+        return SegmentedNamespace(self.own.with_secret(secret), self.shared_blocks)
 
     @cached_property
     def _shared_digest(self) -> bytes:

@@ -1,7 +1,7 @@
 """Secret keys in files: the namespace key that keys every block's identity, and others like it.
 
-A key file holds one or more keys, hex, one per line; the first line is the key in use (later
-lines are read but not used yet). When no file is given, one is generated on first use under
+A key file holds one or more keys, hex, one per line; the first line is the key in use, later
+lines are keys being rotated out, still accepted (see `server.key_files`). When no file is given, one is generated on first use under
 `$KVWISE_HOME/secrets/` with mode 0600, so two servers share block keys only when they share the
 file.
 """
@@ -46,8 +46,13 @@ def load_keys(path: str | Path) -> list[bytes]:
 
 def load_or_create_key(path: str | Path | None, name: str) -> bytes:
     """The signing key of `path`, or of the default file for `name`, made on first use."""
+    return load_or_create_keys(path, name)[0]
+
+
+def load_or_create_keys(path: str | Path | None, name: str) -> list[bytes]:
+    """Every key of `path`, or of the default file for `name` (made on first use), first in use."""
     if path is not None:
-        return load_keys(path)[0]
+        return load_keys(path)
     target = default_key_path(name)
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -61,7 +66,7 @@ def load_or_create_key(path: str | Path | None, name: str) -> bytes:
             pass
         finally:
             staging.unlink()
-    return load_keys(target)[0]
+    return load_keys(target)
 
 
 def namespace_key(given: bytes | None = None) -> bytes:

@@ -61,6 +61,7 @@ class StepRecord:
 
     step: int
     chunks: list[tuple[str, str, int, int]]
+    tier_seconds: float = 0.0  # wall time in prefix-tier calls (spills and fetches) during the step
 
 
 class ContextLengthError(ValueError):
@@ -75,12 +76,13 @@ class EngineCore:
         cache_config: CacheConfig | None = None,
         tiers: Sequence[Tier] = (),
         cpu_kernel: bool = True,
-        namespace_key: bytes | None = None,
+        namespace_key: bytes | Sequence[bytes] | None = None,
     ):
         """tiers: where evicted prefix-cache blocks go and come back from (HostTier, DiskTier,
         RedisTier, searched in that order); needs prefix caching. cpu_kernel=False keeps SDPA and
         torch's linear on CPU (as KVWISE_CPU_KERNEL=0 does). namespace_key keys every block's
-        identity (default: the key file under $KVWISE_HOME/secrets, made on first use)."""
+        identity (default: the key file under $KVWISE_HOME/secrets, made on first use); a list
+        during a rotation: the first keys new blocks, the others still find blocks on the tiers."""
         self.model, self.tokenizer = model, tokenizer
         self.cache_config = config = cache_config or CacheConfig()
         self.max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
@@ -105,12 +107,7 @@ class EngineCore:
         self.scheduler = Scheduler(
             self.pool,
             self.tree,
-            default_namespace(
-                shape.model_id,
-                str(shape.dtype),
-                default_namespace_key(namespace_key),
-                config.block_size,
-            ),
+            default_namespace(shape.model_id, str(shape.dtype), b"", config.block_size),
             config.token_budget,
             config.max_running,
             swap=self.swap,
@@ -127,6 +124,18 @@ class EngineCore:
         self.prefill_seconds_per_token = 0.0  # running estimate (see _measure_prefill)
         self._prefill_samples: deque[tuple[int, float]] = deque(maxlen=64)
         self.step_log: deque[StepRecord] = deque(maxlen=1024)
+        keys = [namespace_key] if namespace_key is None or isinstance(namespace_key, bytes) else namespace_key
+        self.set_namespace_keys([default_namespace_key(keys[0]), *keys[1:]])
+
+    def set_namespace_keys(self, keys: Sequence[bytes]) -> None:
+        """Rotate the namespace key: new requests' blocks are keyed with keys[0]; blocks the tiers
+        hold under the others still come back (keyed anew on the device). Call it on the engine's
+        thread (`AsyncEngine.call_soon`)."""
+        if not keys:
+            raise ValueError("set_namespace_keys needs at least one key")
+        self.scheduler.namespace_of.rekey(keys[0])
+        if self.prefix_tiers is not None:
+            self.prefix_tiers.retired_secrets = tuple(keys[1:])
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
@@ -234,6 +243,7 @@ class EngineCore:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
+        tier_seconds_before = self.prefix_stats.seconds_in_tiers  # scheduling fetches, evictions spill
         step = self.scheduler.schedule()
         if not step.chunks:
             if not self.has_work:
@@ -249,7 +259,8 @@ class EngineCore:
         if self.logits_observer is not None:
             self.logits_observer(chunks, logits)
         chunk_log = [(c.request.request_id, c.request.tenant, c.start, c.end) for c in step.chunks]
-        self.step_log.append(StepRecord(self.steps, chunk_log))
+        record = StepRecord(self.steps, chunk_log)
+        self.step_log.append(record)
         self.peak_blocks = max(self.peak_blocks, self.pool.stats().used)
         for compaction in compactions:  # real bytes back to the pool
             request = compaction.request
@@ -283,6 +294,7 @@ class EngineCore:
                 request.finish_time = time.monotonic()
                 self.scheduler.finish(request)
             events.append(TokenEvent(request, token.token, reason))
+        record.tier_seconds = self.prefix_stats.seconds_in_tiers - tier_seconds_before
         return events
 
     def _measure_prefill(self, chunks, seconds: float) -> None:

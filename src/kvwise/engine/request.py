@@ -57,6 +57,7 @@ class Request:
     finish_time: float | None = None
     stop_text: Any = None  # IncrementalText watching for its stop strings
     error: str | None = None  # set when an internal fault in its part of a step cancelled it
+    namespace: Any = None  # its block identity (Namespace), fixed when the scheduler first asks
 
     @property
     def tokens(self) -> list[int]:

@@ -9,6 +9,8 @@ The budget then goes to the prefills shortest remaining first: a prompt that is 
 gets its first token in the next step instead of queueing behind a long uncached prompt, which
 minimises the mean time to first token (SRPT). A prefill passed over for `STARVATION_STEPS`
 steps in a row goes first, so a long prompt cannot be starved by a stream of short ones.
+Running slots go round the tenants: the next admission is a request of the tenant running the
+fewest, so one tenant's burst cannot hold every slot while another's requests wait.
 
 Memory is checked before it is taken. When a step cannot get the blocks it needs, the prefix
 cache gives up unlocked blocks first; if that is not enough, the most recently admitted running
@@ -24,7 +26,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from kvwise.core.block_pool import BlockPool
-from kvwise.core.hashing import Namespace
+from kvwise.core.hashing import Namespace, SegmentedNamespace
 from kvwise.core.radix import RadixCache
 from kvwise.engine.request import Request, Status
 from kvwise.kv.prefix_tiers import PrefixTiers
@@ -242,13 +244,28 @@ class Scheduler:
         return budget
 
     def _next_waiting(self) -> Request:
-        if self.tree is None or len(self.waiting) > self.fcfs_queue_length:
+        """The next request to admit: a preempted one first (work already taken on), else one of
+        the tenant holding the fewest running slots, then cache-aware (or FCFS) within those."""
+        if self.waiting[0].preemptions:
             return self.waiting.popleft()
-        best = max(
-            self.waiting, key=lambda r: self.tree.match_prefix(r.prompt[:-1], self.namespace_of(r), touch=False).length
-        )
+        candidates = self._fair_candidates()
+        if self.tree is None or len(self.waiting) > self.fcfs_queue_length:
+            best = candidates[0]
+        else:
+            best = max(
+                candidates, key=lambda r: self.tree.match_prefix(r.prompt[:-1], self.namespace_of(r), touch=False).length
+            )
         self.waiting.remove(best)
         return best
+
+    def _fair_candidates(self) -> list[Request]:
+        """Waiting requests of the tenants with the fewest running requests, in queue order: running
+        slots go round the active tenants, so one tenant's burst cannot take every slot."""
+        running: dict[str, int] = {}
+        for request in self.running:
+            running[request.tenant] = running.get(request.tenant, 0) + 1
+        fewest = min(running.get(request.tenant, 0) for request in self.waiting)
+        return [request for request in self.waiting if running.get(request.tenant, 0) == fewest]
 
     def _admit(self, request: Request) -> None:
         request.status = Status.RUNNING
@@ -403,12 +420,27 @@ class Scheduler:
             self.release_quantized(request, [-1 - block for block in blocks if block < 0])
 
 
-def default_namespace(model_id: str, kv_format: str = "", secret: bytes = b"", block_size: int = 16):
+class TenantNamespaces:
     """namespace_of for a scheduler: each request's own tenant's namespace, keyed with the server's
-    secret, with its marked leading segment (whole blocks of it) in the shared namespace."""
+    secret, with its marked leading segment (whole blocks of it) in the shared namespace.
 
-    def namespace_of(request):
-        own = Namespace(model_id, request.tenant, kv_format, secret)
-        return own.with_shared_prefix(request.shared_prefix_tokens // block_size)
+    A request's namespace is fixed the first time it is asked for, so a key rotation (`rekey`)
+    changes the identity of new requests only: a running request inserts its blocks under the
+    keys it matched them with."""
 
-    return namespace_of
+    def __init__(self, model_id: str, kv_format: str = "", secret: bytes = b"", block_size: int = 16):
+        self.model_id, self.kv_format, self.block_size = model_id, kv_format, block_size
+        self.secret = secret
+
+    def rekey(self, secret: bytes) -> None:
+        self.secret = secret  # one assignment: a request built concurrently gets the old or the new
+
+    def __call__(self, request) -> Namespace | SegmentedNamespace:
+        if request.namespace is None:
+            own = Namespace(self.model_id, request.tenant, self.kv_format, self.secret)
+            request.namespace = own.with_shared_prefix(request.shared_prefix_tokens // self.block_size)
+        return request.namespace
+
+
+def default_namespace(model_id: str, kv_format: str = "", secret: bytes = b"", block_size: int = 16):
+    return TenantNamespaces(model_id, kv_format, secret, block_size)

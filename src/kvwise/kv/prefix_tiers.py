@@ -15,8 +15,10 @@ A block on a tier is one tensor [num_layers, 2 (keys, values), block_size, num_k
 
 from __future__ import annotations
 
+import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +41,7 @@ class ReuseStats:
     spilled_bytes: int = 0
     spilled_blocks: int = 0  # evicted blocks at least one tier accepted
     recomputed_blocks: int = 0  # blocks a tier had but could not return (corrupt, down)
+    seconds_in_tiers: float = 0.0  # wall time inside tier calls (the engine logs it per step)
 
     @property
     def hit_rate(self) -> float:
@@ -61,6 +64,9 @@ class PrefixTiers:
         self.tiers, self.storage, self.pool, self.tree = list(tiers), storage, pool, tree
         self.block_size = pool.block_size
         self.stats = stats if stats is not None else ReuseStats()
+        # namespace secrets rotated out: blocks stored under them are still found (a rotation
+        # would otherwise turn every tier cold at once) and come back under the current keys
+        self.retired_secrets: tuple[bytes, ...] = ()
 
     def spill(self, node: Node) -> None:
         """Write an evicted device block to every tier (RadixCache.on_evict: before it is zeroed)."""
@@ -91,10 +97,19 @@ class PrefixTiers:
         wanted = min(usable_blocks - first, headroom)
         if not self.tiers or wanted <= 0:
             return []
-        keys = chain_keys(tokens[: usable_blocks * self.block_size], self.block_size, namespace)
+        prefix = tokens[: usable_blocks * self.block_size]
+        keys = chain_keys(prefix, self.block_size, namespace)
+        retired_chains = None
         found = []
         for index in range(first, first + int(wanted)):
             fetched = self.fetch(keys[index])
+            if fetched is None and self.retired_secrets:
+                if retired_chains is None:  # at the first miss only: rotations are rare
+                    retired_chains = [
+                        chain_keys(prefix, self.block_size, namespace.with_secret(secret))
+                        for secret in self.retired_secrets
+                    ]
+                fetched = next(filter(None, (self.fetch(chain[index]) for chain in retired_chains)), None)
             if fetched is None:
                 break
             found.append(fetched)
@@ -128,12 +143,14 @@ class PrefixTiers:
         """(tier name, block) from the first tier that has `key`, or None."""
         for tier in self.tiers:
             corrupt_before, errors_before = tier.stats.corrupt, tier.stats.errors
-            data = tier.get(key)
+            with self._timed():
+                data = tier.get(key)
             if data is not None and self._fits(data):
                 return tier.name, data
             if data is not None:  # another geometry under this key (a checkpoint swapped in place)
                 tier.stats.corrupt += 1
-                tier.delete(key)
+                with self._timed():
+                    tier.delete(key)
             if tier.stats.corrupt > corrupt_before or tier.stats.errors > errors_before:
                 self.stats.recomputed_blocks += 1
         return None
@@ -146,12 +163,23 @@ class PrefixTiers:
         """A tier that raises (out of pinned memory, a bug) refuses the block instead of failing
         the engine step that evicted it."""
         try:
-            return tier.put(key, data)
+            with self._timed():
+                return tier.put(key, data)
         except Exception as error:  # any failure is a refused write here
             tier.stats.errors += 1
             tier.stats.refused_puts += 1
             tier.last_error = f"{type(error).__name__}: {error}"
             return False
+
+    @contextmanager
+    def _timed(self) -> Iterator[None]:
+        """Adds the time inside the block to `stats.seconds_in_tiers`: a tier that is down must
+        cost a step at most one socket timeout, and the engine's step log shows what it did cost."""
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.stats.seconds_in_tiers += time.perf_counter() - started
 
     def block_tensor(self, block: int) -> torch.Tensor:
         """[num_layers, 2, block_size, num_kv_heads, head_dim] copy of a device block."""

@@ -118,6 +118,11 @@ class AsyncEngine:
                 self._queued_tenants.pop(request, None)
         return queued, running | set(queued)
 
+    def call_soon(self, function) -> None:
+        """Run function() on the engine thread between two steps (a key rotation, say)."""
+        self._commands.put(("call", function))
+        self._wake.set()
+
     def abort(self, requests: list[Request]) -> None:
         """Cancel requests (a client went away); their blocks are freed on the engine thread."""
         self._commands.put(("abort", requests))
@@ -166,10 +171,16 @@ class AsyncEngine:
     def _apply_commands(self) -> None:
         while True:
             try:
-                kind, requests = self._commands.get_nowait()
+                kind, payload = self._commands.get_nowait()
             except queue.Empty:
                 return
-            for request in requests:
+            if kind == "call":
+                try:
+                    payload()
+                except Exception:  # an operator's command must not fail the requests in flight
+                    log.exception("a command on the engine thread failed")
+                continue
+            for request in payload:
                 if kind == "add":
                     with self._pending_lock:
                         self._pending_adds -= 1

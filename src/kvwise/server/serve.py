@@ -7,8 +7,6 @@ ones (streams included) for up to --shutdown-timeout seconds, then the engine dr
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import hmac
 import logging
 from pathlib import Path
 
@@ -49,11 +47,24 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument(
         "--disk-key-file",
         default=None,
-        help="hex AES-256 key encrypting and authenticating --disk-cache files (or KVWISE_DISK_KEY)",
+        help="hex AES-256 key(s) encrypting and authenticating --disk-cache files, first line encrypting "
+        "(or KVWISE_DISK_KEY)",
     )
     parser.add_argument("--disk-cache-gb", type=float, default=None, help="bound on --disk-cache (default: none)")
     parser.add_argument(
-        "--redis-url", default=None, help="Redis for evicted prefix blocks, last tier (HMAC key: KVWISE_REDIS_HMAC_KEY)"
+        "--redis-url",
+        default=None,
+        help="Redis for evicted prefix blocks, last tier (redis://, rediss:// for TLS, user:password@ for ACL users)",
+    )
+    parser.add_argument(
+        "--redis-hmac-key-file",
+        default=None,
+        help="hex key(s) authenticating Redis entries, first line signing (or KVWISE_REDIS_HMAC_KEY)",
+    )
+    parser.add_argument(
+        "--redis-key-file",
+        default=None,
+        help="hex AES-256 key(s) encrypting Redis entries, first line encrypting (or KVWISE_REDIS_KEY)",
     )
     parser.add_argument(
         "--chat-template",
@@ -98,14 +109,13 @@ def add_serve_arguments(parser) -> None:
 
 def build_app(args):
     """The app for parsed `serve` arguments (also used by tests, without uvicorn's CLI)."""
-    from kvwise.core.secret_keys import load_or_create_key
     from kvwise.engine.core import EngineCore
     from kvwise.hf.chat_template import load_chat_template
     from kvwise.models import load_model
-    from kvwise.server.api_keys import load_api_keys
     from kvwise.server.app import ServerSettings, create_app, parse_kv_quant_options
+    from kvwise.server.key_files import read_server_keys
 
-    keys = load_api_keys(args.api_keys) if args.api_keys else None
+    server_keys = read_server_keys(args)
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     cache = CacheConfig(
@@ -118,14 +128,13 @@ def build_app(args):
         prefix_quota_blocks=args.prefix_quota_blocks,
         fair_prefix_shares=not args.no_fair_prefix_shares,
     )
-    namespace_key = load_or_create_key(args.namespace_key_file, "namespace")
-    tiers = prefix_tiers(args, namespace_key)
+    tiers = prefix_tiers(args, server_keys)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     name = args.served_model_name or (EMBEDDED_NAME if args.model is None else Path(args.model.rstrip("/")).name)
-    core = EngineCore(model, tokenizer, cache, tiers, namespace_key=namespace_key)
+    core = EngineCore(model, tokenizer, cache, tiers, namespace_key=server_keys.namespace)
     settings = ServerSettings(
         name,
-        keys,
+        server_keys.api_keys,
         args.max_queue,
         default_max_tokens=args.default_max_tokens,
         chat_template=load_chat_template(args.chat_template),
@@ -140,10 +149,12 @@ def build_app(args):
     return create_app(core, settings)
 
 
-def prefix_tiers(args, namespace_key: bytes = b"") -> list:
+def prefix_tiers(args, keys=None) -> list:
     """The tiers under the prefix cache, fastest first: host RAM, disk, Redis (each optional).
-    Disk files are MAC'd with a key derived from the namespace key, and encrypted with
-    --disk-key-file (or KVWISE_DISK_KEY) when one is given."""
+    keys: the server's `ServerKeys`. Disk files are MAC'd with keys derived from the namespace
+    keys, and encrypted with --disk-key-file (or KVWISE_DISK_KEY) when one is given; Redis entries
+    are MAC'd with --redis-hmac-key-file (or KVWISE_REDIS_HMAC_KEY) and encrypted with
+    --redis-key-file (or KVWISE_REDIS_KEY)."""
     tiers = []
     if not args.host_cache_gb >= 0 or (args.disk_cache_gb is not None and not args.disk_cache_gb > 0):  # NaN too
         raise ValueError("--host-cache-gb must be >= 0 and --disk-cache-gb > 0")
@@ -156,15 +167,12 @@ def prefix_tiers(args, namespace_key: bytes = b"") -> list:
 
         tiers.append(HostTier(int(args.host_cache_gb * (1 << 30))))
     if args.disk_cache:
-        from kvwise.core.secret_keys import load_keys
         from kvwise.tiers.disk import DiskTier
 
         capacity = None if args.disk_cache_gb is None else int(args.disk_cache_gb * (1 << 30))
-        encryption_key = None
-        if args.disk_key_file:
-            encryption_key = load_keys(args.disk_key_file)[0]
-        mac_key = hmac.new(namespace_key, b"kvwise disk tier", hashlib.sha256).digest() if namespace_key else None
-        disk = DiskTier(args.disk_cache, capacity, encryption_key=encryption_key, mac_key=mac_key)
+        mac_keys = keys.disk_mac if keys is not None else None
+        encryption_keys = keys.disk_encryption if keys is not None else None
+        disk = DiskTier(args.disk_cache, capacity, encryption_key=encryption_keys, mac_key=mac_keys)
         if not disk.encrypted:
             log.warning(
                 "the disk tier at %s stores KV in plaintext: anyone who can read the folder can read cached "
@@ -175,26 +183,10 @@ def prefix_tiers(args, namespace_key: bytes = b"") -> list:
     if args.redis_url:
         from kvwise.tiers.redis_tier import RedisTier
 
-        tiers.append(RedisTier(args.redis_url))
+        hmac_keys = keys.redis_hmac if keys is not None else None
+        encryption_keys = keys.redis_encryption if keys is not None else None
+        tiers.append(RedisTier(args.redis_url, hmac_key=hmac_keys, encryption_key=encryption_keys))
     return tiers
-
-
-def install_key_reload(settings, path: str) -> None:
-    """SIGHUP re-reads the API key file: keys are added, revoked or re-permissioned without a
-    restart. A file that does not parse is refused with a log line and the old keys stay."""
-    import signal
-
-    from kvwise.server.api_keys import load_api_keys
-
-    def reload(signum, frame):
-        try:
-            settings.api_keys = load_api_keys(path)  # one assignment: a request sees old or new keys
-        except ValueError as error:
-            log.error("SIGHUP: kept the previous API keys: %s", error)
-            return
-        log.warning("SIGHUP: reloaded %d API keys from %s", len(settings.api_keys), path)
-
-    signal.signal(signal.SIGHUP, reload)
 
 
 def run_server(args) -> None:
@@ -218,9 +210,10 @@ def run_server(args) -> None:
                 finally:
                     getattr(self, "_captured_signals", []).clear()
 
+    from kvwise.server.key_files import install_key_reload
+
     app = build_app(args)
-    if args.api_keys:
-        install_key_reload(app.state.settings, args.api_keys)
+    install_key_reload(app, args)
     logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     print(f"kvwise: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops after running requests finish)")
     config = uvicorn.Config(

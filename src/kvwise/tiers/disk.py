@@ -27,21 +27,28 @@ KEY_ENVIRONMENT = "KVWISE_DISK_KEY"
 NONCE_BYTES = 12
 
 
-def _cipher(encryption_key: bytes | str | None):
-    if encryption_key is None:
-        encryption_key = os.environ.get(KEY_ENVIRONMENT) or None
-    if encryption_key is None:
-        return None
-    if isinstance(encryption_key, str):
-        try:
-            encryption_key = bytes.fromhex(encryption_key)
-        except ValueError:
-            raise ValueError(f"the disk encryption key must be hex (from {KEY_ENVIRONMENT} or config)") from None
-    if len(encryption_key) != 32:
-        raise ValueError(f"the disk encryption key must be 32 bytes (AES-256), got {len(encryption_key)}")
+def _ciphers(encryption_keys) -> tuple:
+    """AESGCM objects for a key, or a list of keys during a rotation (the first encrypts, every one
+    decrypts); () without a key. A key is 32 bytes, or hex (as KVWISE_DISK_KEY holds it)."""
+    if encryption_keys is None:
+        encryption_keys = os.environ.get(KEY_ENVIRONMENT) or None
+    if encryption_keys is None:
+        return ()
+    if isinstance(encryption_keys, str | bytes | bytearray):
+        encryption_keys = [encryption_keys]
     from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-    return AESGCM(encryption_key)
+    ciphers = []
+    for key in encryption_keys:
+        if isinstance(key, str):
+            try:
+                key = bytes.fromhex(key)
+            except ValueError:
+                raise ValueError(f"the disk encryption key must be hex (from {KEY_ENVIRONMENT} or config)") from None
+        if len(key) != 32:
+            raise ValueError(f"the disk encryption key must be 32 bytes (AES-256), got {len(key)}")
+        ciphers.append(AESGCM(bytes(key)))
+    return tuple(ciphers)
 
 
 class DiskTier(Tier):
@@ -55,13 +62,13 @@ class DiskTier(Tier):
         mac_key: bytes | None = None,
     ):
         """mac_key: keys each file's checksum (HMAC-SHA256), so files written by anyone without it
-        fail; encryption (AES-GCM) authenticates them too."""
+        fail; encryption (AES-GCM) authenticates them too. Either may be a list during a key
+        rotation: the first writes, every one reads (`set_keys` swaps them at run time)."""
         super().__init__()
-        self.mac_key = mac_key
         self.directory = Path(directory)
         self.directory.mkdir(parents=True, exist_ok=True)
         self.capacity_bytes = capacity_bytes
-        self._cipher = _cipher(encryption_key)
+        self.set_keys(mac_key, encryption_key)
         self.last_error: str | None = None
         self.stats.bytes_held = sum(path.stat().st_size for path in self.directory.glob("*/*.kvb"))
 
@@ -70,10 +77,11 @@ class DiskTier(Tier):
         return self.directory / name[:2] / f"{name}.kvb"
 
     def put(self, key: bytes, block: torch.Tensor) -> bool:
-        payload = encode_block(key, block, self.mac_key)
-        if self._cipher is not None:
+        mac_keys, ciphers = self._keys
+        payload = encode_block(key, block, mac_keys)
+        if ciphers:
             nonce = secrets.token_bytes(NONCE_BYTES)
-            payload = nonce + self._cipher.encrypt(nonce, payload, key)
+            payload = nonce + ciphers[0].encrypt(nonce, payload, key)
         target = self.path(key)
         previous = target.stat().st_size if target.exists() else 0
         if self.capacity_bytes is not None and self.stats.bytes_held - previous + len(payload) > self.capacity_bytes:
@@ -108,10 +116,11 @@ class DiskTier(Tier):
             self.stats.errors += 1
             self.last_error = str(error)
             return None
+        mac_keys, ciphers = self._keys
         try:
-            if self._cipher is not None:
-                payload = self._open(key, payload)
-            block = decode_block(key, payload, self.mac_key)
+            if ciphers:
+                payload = self._open(ciphers, key, payload)
+            block = decode_block(key, payload, mac_keys)
         except CorruptBlock:
             self.stats.corrupt += 1
             self.delete(key)
@@ -119,17 +128,32 @@ class DiskTier(Tier):
         self.stats.hits += 1
         return block
 
+    def set_keys(self, mac_keys=None, encryption_keys=None) -> None:
+        """Swap the keys (a rotation: new first, old after, until old entries have aged out). One
+        assignment of a tuple, so a concurrent read sees the old keys or the new, never a mix."""
+        if isinstance(mac_keys, bytes | bytearray):
+            mac_keys = [mac_keys]
+        self._keys = (tuple(bytes(key) for key in mac_keys or ()), _ciphers(encryption_keys))
+
+    @property
+    def mac_key(self) -> bytes | None:
+        """The key that signs new entries' checksums (None: unkeyed)."""
+        return self._keys[0][0] if self._keys[0] else None
+
     @property
     def encrypted(self) -> bool:
-        return self._cipher is not None
+        return bool(self._keys[1])
 
-    def _open(self, key: bytes, payload: bytes) -> bytes:
+    @staticmethod
+    def _open(ciphers, key: bytes, payload: bytes) -> bytes:
         from cryptography.exceptions import InvalidTag
 
-        try:
-            return self._cipher.decrypt(payload[:NONCE_BYTES], payload[NONCE_BYTES:], key)
-        except (InvalidTag, ValueError):
-            raise CorruptBlock("authentication failed") from None
+        for cipher in ciphers:
+            try:
+                return cipher.decrypt(payload[:NONCE_BYTES], payload[NONCE_BYTES:], key)
+            except (InvalidTag, ValueError):
+                continue
+        raise CorruptBlock("authentication failed")
 
     def exists(self, key: bytes) -> bool:
         return self.path(key).exists()

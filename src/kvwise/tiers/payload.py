@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import json
 import struct
+from collections.abc import Sequence
 
 import torch
 
@@ -34,7 +35,21 @@ def _checksum(key: bytes, data: bytes, mac_key: bytes | None) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
-def encode_block(key: bytes, block: torch.Tensor, mac_key: bytes | None = None) -> bytes:
+def _signing_key(mac_keys: bytes | Sequence[bytes] | None) -> bytes | None:
+    if isinstance(mac_keys, bytes | bytearray) or mac_keys is None:
+        return mac_keys
+    return mac_keys[0] if mac_keys else None
+
+
+def _verifying_keys(mac_keys: bytes | Sequence[bytes] | None) -> Sequence[bytes | None]:
+    if isinstance(mac_keys, bytes | bytearray) or mac_keys is None:
+        return [mac_keys]
+    return list(mac_keys) or [None]
+
+
+def encode_block(key: bytes, block: torch.Tensor, mac_key: bytes | Sequence[bytes] | None = None) -> bytes:
+    """mac_key: one key, or a list during a rotation: the first signs."""
+    mac_key = _signing_key(mac_key)
     data = block.detach().contiguous().cpu().view(torch.uint8).numpy().tobytes()
     header = {
         "key": key.hex(),
@@ -46,8 +61,9 @@ def encode_block(key: bytes, block: torch.Tensor, mac_key: bytes | None = None) 
     return _PREFIX.pack(MAGIC, VERSION, len(header_bytes)) + header_bytes + data
 
 
-def decode_block(key: bytes, payload: bytes, mac_key: bytes | None = None) -> torch.Tensor:
-    """The tensor in `payload`; raises CorruptBlock if anything does not add up."""
+def decode_block(key: bytes, payload: bytes, mac_key: bytes | Sequence[bytes] | None = None) -> torch.Tensor:
+    """The tensor in `payload`; raises CorruptBlock if anything does not add up. mac_key: one key,
+    or a list during a rotation: an entry signed with any of them verifies."""
     if len(payload) < _PREFIX.size:
         raise CorruptBlock("too short for a block header")
     magic, version, header_length = _PREFIX.unpack_from(payload)
@@ -66,7 +82,8 @@ def decode_block(key: bytes, payload: bytes, mac_key: bytes | None = None) -> to
     if header.get("key") != key.hex():
         raise CorruptBlock("the block was written for another key")
     data = payload[_PREFIX.size + header_length :]
-    if not hmac.compare_digest(_checksum(key, data, mac_key), str(header.get("checksum"))):
+    checksum = str(header.get("checksum"))
+    if not any(hmac.compare_digest(_checksum(key, data, one), checksum) for one in _verifying_keys(mac_key)):
         raise CorruptBlock("checksum mismatch")
     expected = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
     if len(data) != expected or dtype.is_complex or dtype in (torch.bool,) or not data:

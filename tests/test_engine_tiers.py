@@ -199,3 +199,16 @@ def test_entries_of_other_weights_are_misses(llama, tmp_path):
     retrained = EngineCore(llama, None, CONFIG, tiers=[DiskTier(tmp_path, mac_key=b"k" * 32)], namespace_key=b"n" * 32)
     again = run(retrained, prompt(4))
     assert again.reused == 0 and retrained.prefix_stats.hits_tokens.get("disk", 0) == 0
+
+
+def test_a_tier_that_raises_on_read_is_a_miss_not_a_failed_step(llama):
+    class Broken(HostTier):
+        def get(self, key):
+            raise RuntimeError("a bug in a tier")
+
+    core = EngineCore(llama, None, CONFIG, tiers=[Broken(64 << 20)])
+    first = run(core, prompt(4))
+    flush_device(core, seed=5)
+    again = run(core, prompt(4))
+    assert again.output == first.output and again.reused == 0 and again.error is None
+    assert core.prefix_tiers.tiers[0].stats.errors >= 1 and "a bug in a tier" in core.prefix_tiers.tiers[0].last_error

@@ -100,6 +100,13 @@ def add_bench_parsers(workloads) -> None:
     load.add_argument("--clients", type=int, default=None, help="concurrent streaming clients (default 64)")
     load.add_argument("--duration", type=float, default=None, help="seconds of load (default 60)")
     load.add_argument("--hangup-fraction", type=float, default=None, help="streams that hang up early (0.25)")
+    load.add_argument(
+        "--cancel-fraction", type=float, default=None, help="requests that give up before their first token (0.1)"
+    )
+    load.add_argument(
+        "--tier-faults", action="store_true", help="spill to a disk tier and corrupt, truncate and fill it meanwhile"
+    )
+    load.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (default: the server's)")
     load.add_argument("--out", type=Path, default=Path("results"))
     load.add_argument("--quick", action="store_true", help="16 clients for 15 s")
 
@@ -117,7 +124,8 @@ def _load(args) -> None:
     if args.quick:
         config.clients, config.duration_seconds = 16, 15.0
     args.duration_seconds = args.duration
-    _override(config, args, ("clients", "duration_seconds", "hangup_fraction"))
+    config.tier_faults = args.tier_faults
+    _override(config, args, ("clients", "duration_seconds", "hangup_fraction", "cancel_fraction", "num_blocks"))
     run_load(config, args.out)
     print((args.out / "load.md").read_text())
     print(f"wrote {args.out / 'load.json'}")

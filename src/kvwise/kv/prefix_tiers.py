@@ -143,8 +143,7 @@ class PrefixTiers:
         """(tier name, block) from the first tier that has `key`, or None."""
         for tier in self.tiers:
             corrupt_before, errors_before = tier.stats.corrupt, tier.stats.errors
-            with self._timed():
-                data = tier.get(key)
+            data = self._get(tier, key)
             if data is not None and self._fits(data):
                 return tier.name, data
             if data is not None:  # another geometry under this key (a checkpoint swapped in place)
@@ -158,6 +157,17 @@ class PrefixTiers:
     def _fits(self, data: torch.Tensor) -> bool:
         keys = self.storage.keys
         return data.dtype == keys[0].dtype and tuple(data.shape) == (len(keys), 2, *keys[0].shape[1:])
+
+    def _get(self, tier: Tier, key: bytes) -> torch.Tensor | None:
+        """A tier that raises (a bug, an error it did not expect) misses instead of failing the
+        step of the request that looked the block up."""
+        try:
+            with self._timed():
+                return tier.get(key)
+        except Exception as error:  # any failure is a miss here
+            tier.stats.errors += 1
+            tier.last_error = f"{type(error).__name__}: {error}"
+            return None
 
     def _put(self, tier: Tier, key: bytes, data: torch.Tensor) -> bool:
         """A tier that raises (out of pinned memory, a bug) refuses the block instead of failing

@@ -34,6 +34,7 @@ class Tier(ABC):
 
     def __init__(self):
         self.stats = TierStats()
+        self.last_error: str | None = None  # the latest failure, for logs and tests
 
     @abstractmethod
     def get(self, key: bytes) -> torch.Tensor | None:

@@ -20,6 +20,7 @@ from tests.live_server import LiveServer
 from tests.test_engine_tiers import CONFIG, flush_device, prompt, run
 
 OLD, NEW = b"o" * 32, b"N" * 32
+TIER_HITS = "kvwise_prefix_cache_tier_hits_tokens_total"
 BLOCK = torch.arange(2 * 4 * 3, dtype=torch.float32).reshape(2, 4, 3)
 
 
@@ -82,10 +83,10 @@ def _params():
 def _cached_tokens(server, prompt_text: str, key: str) -> tuple[str, float]:
     headers = {"Authorization": f"Bearer {key}"}
     body = {"model": "model", "prompt": prompt_text, "max_tokens": 4, "temperature": 0}
-    before = server.value("kvwise_prefix_cache_tier_hits_tokens_total", tier="disk")
+    before = server.value(TIER_HITS, tier="disk")
     answer = httpx.post(f"{server.base_url}/v1/completions", json=body, headers=headers, timeout=60)
     answer.raise_for_status()
-    return answer.json()["choices"][0]["text"], server.value("kvwise_prefix_cache_tier_hits_tokens_total", tier="disk") - before
+    return answer.json()["choices"][0]["text"], server.value(TIER_HITS, tier="disk") - before
 
 
 @pytest.mark.timeout(300)

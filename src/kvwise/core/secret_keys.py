@@ -1,9 +1,9 @@
 """Secret keys in files: the namespace key that keys every block's identity, and others like it.
 
 A key file holds one or more keys, hex, one per line; the first line is the key in use, later
-lines are keys being rotated out, still accepted (see `server.key_files`). When no file is given, one is generated on first use under
-`$KVWISE_HOME/secrets/` with mode 0600, so two servers share block keys only when they share the
-file.
+lines are keys being rotated out, still accepted (see `server.key_files`). When no file is
+given, one is generated on first use under `$KVWISE_HOME/secrets/` with mode 0600, so two
+servers share block keys only when they share the file.
 """
 
 from __future__ import annotations

@@ -252,11 +252,12 @@ class Scheduler:
         if self.tree is None or len(self.waiting) > self.fcfs_queue_length:
             best = candidates[0]
         else:
-            best = max(
-                candidates, key=lambda r: self.tree.match_prefix(r.prompt[:-1], self.namespace_of(r), touch=False).length
-            )
+            best = max(candidates, key=self._cached_length)
         self.waiting.remove(best)
         return best
+
+    def _cached_length(self, request: Request) -> int:
+        return self.tree.match_prefix(request.prompt[:-1], self.namespace_of(request), touch=False).length
 
     def _fair_candidates(self) -> list[Request]:
         """Waiting requests of the tenants with the fewest running requests, in queue order: running

@@ -6,13 +6,15 @@ KVWISE_DISK_KEY environment variable as hex), the file is nonce || AES-GCM(paylo
 block key as associated data, so a file copied under another name fails authentication.
 
 Writes go to a temporary file in the same folder and are renamed into place, so a reader never
-sees half a block. A full disk (or any OSError) makes `put` return False and count a refused
-write; nothing else breaks. A file that fails its checksum or authentication is deleted and
+sees half a block; the temporaries a killed process leaves behind are removed when a tier opens
+the folder. A full disk (or any OSError) makes `put` return False and count a refused write;
+nothing else breaks. A file that fails its checksum or authentication is deleted and
 counted as corrupt, and the caller recomputes the block.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import tempfile
@@ -70,7 +72,16 @@ class DiskTier(Tier):
         self.capacity_bytes = capacity_bytes
         self.set_keys(mac_key, encryption_key)
         self.last_error: str | None = None
+        self._remove_stale_temporaries()
         self.stats.bytes_held = sum(path.stat().st_size for path in self.directory.glob("*/*.kvb"))
+
+    def _remove_stale_temporaries(self) -> None:
+        """A process killed between writing a temporary and renaming it leaves the temporary
+        behind, uncounted and never read again. Another process writing to the same folder at
+        this moment only sees that one put refused (its rename finds no file)."""
+        for path in self.directory.glob("*/*.tmp"):
+            with contextlib.suppress(OSError):
+                path.unlink()
 
     def path(self, key: bytes) -> Path:
         name = key.hex()

@@ -23,7 +23,6 @@ from kvwise.server.app import ServerSettings, create_app
 from tests.base_model import CHAT_TEMPLATE, save_base_model
 from tests.inprocess_server import InProcessServer
 
-
 FUZZER = {"Authorization": "Bearer sk-fuzzer"}
 CANARY = {"Authorization": "Bearer sk-canary"}
 

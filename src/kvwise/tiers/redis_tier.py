@@ -1,12 +1,36 @@
-"""Redis tier: blocks as binary values with an HMAC tag and a TTL, on one Redis or a cluster.
+"""Redis tier: blocks as binary values, authenticated (HMAC-SHA256 or AES-256-GCM), with a TTL.
 
-Value: HMAC-SHA256(hmac_key, redis key || payload) || payload, where payload is the block format
-of `tiers.payload`. An entry written by anyone without the key, or altered, fails the tag and
-is deleted and counted; the caller recomputes. The Redis key is `prefix + block key (hex)`, and
-block keys already carry the tenant's salt, so tenants never read each other's entries.
+The Redis key is `prefix + block key (hex)`. Block keys are keyed hashes of a secret namespace
+(server secret, tenant, weights fingerprint), so tenants never read each other's entries, entries
+of other weights are never asked for, and a listing of the keys confirms no guessed prompt. The
+value is the block format of `tiers.payload`, sealed one of two ways:
+
+- HMAC only:  HMAC-SHA256(hmac key, redis key || payload) || payload
+- encrypted:  nonce (12 bytes) || AES-256-GCM(encryption key, payload, associated data = redis key)
+
+Both bind the value to its Redis key, so a value copied under another name, altered, truncated,
+or written by anyone without the key fails, is deleted and counted in `stats.corrupt`; the caller
+recomputes. With encryption the GCM tag is the MAC: it authenticates the ciphertext and the key
+name (which carries the namespace and the weights fingerprint) under a 256-bit key, so an HMAC on
+top would cost a second pass over every block on the engine thread and add nothing. The HMAC keys
+are then not used, and only the encryption keys are required. Entries of the other format (after
+turning encryption on or off) are corrupt misses; the cache refills.
+
+Keys rotate without a restart: `hmac_key` and `encryption_key` take one key or a list, the first
+seals new values and every one opens old ones, and `set_keys` swaps them while the engine runs.
+With several servers on one Redis, rotate in two rounds, or each server would count and delete
+the others' new entries: first add the new key last everywhere ([old, new]), then put it first
+([new, old]), and drop the old one once its entries have aged out (ttl_seconds).
+
+Connection security comes from the URL, as redis-py reads it: `redis://user:password@host:port/0`
+for AUTH and ACL users, and `rediss://...?ssl_ca_certs=ca.pem` (plus `ssl_certfile`/`ssl_keyfile`
+for client certificates) for TLS; tests/test_redis_auth_tls.py runs each against a real server.
 
 Redis being down never fails a request: every call catches redis errors, counts them in
-`stats.errors`, and answers as a miss (get) or a refused write (put).
+`stats.errors`, and answers as a miss (get) or a refused write (put), after at most one socket
+timeout: redis-py's retries are off, and a failure makes calls fail fast for `retry_seconds`
+(keep it well above an engine step, so one step meets at most one timeout). Whatever bytes Redis
+holds under a key, including a value of another type, `get` returns a block or None.
 """
 
 from __future__ import annotations
@@ -14,23 +38,85 @@ from __future__ import annotations
 import hashlib
 import hmac
 import os
+import secrets
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from kvwise.tiers.base import Tier
 from kvwise.tiers.payload import CorruptBlock, decode_block, encode_block
 
 HMAC_ENVIRONMENT = "KVWISE_REDIS_HMAC_KEY"
+KEY_ENVIRONMENT = "KVWISE_REDIS_KEY"  # hex; several, comma-separated, during a rotation
 TAG_BYTES = 32
+NONCE_BYTES = 12
+
+KeyOrKeys = bytes | str | Sequence[bytes | str] | None
+
+
+@dataclass(frozen=True, repr=False)  # no repr: keys never reach a log or a traceback
+class SealingKeys:
+    """The keys in force: the first of each tuple seals, all open. Replaced whole by `set_keys`,
+    so a call on another thread sees the old set or the new one, never a mix."""
+
+    hmac_keys: tuple[bytes, ...]
+    encryption_keys: tuple[bytes, ...]
+    ciphers: tuple[AESGCM, ...]  # one per encryption key
+
+    @classmethod
+    def parse(cls, hmac_keys: KeyOrKeys, encryption_keys: KeyOrKeys) -> SealingKeys:
+        macs = tuple(key.encode() if isinstance(key, str) else bytes(key) for key in _as_list(hmac_keys))
+        aes_keys = tuple(_encryption_key(key) for key in _as_list(encryption_keys))
+        if not macs and not aes_keys:
+            raise ValueError(
+                "the Redis tier needs an HMAC key or an encryption key: pass hmac_key= or encryption_key=, "
+                f"or set {HMAC_ENVIRONMENT} or {KEY_ENVIRONMENT}"
+            )
+        if not all(macs):
+            raise ValueError("an HMAC key of the Redis tier is empty")
+        return cls(macs, aes_keys, tuple(AESGCM(key) for key in aes_keys))
+
+
+def _as_list(keys: KeyOrKeys) -> list:
+    """One key, a list of keys, or none; an empty string counts as none (an unset variable)."""
+    if keys is None or (isinstance(keys, str | bytes | bytearray) and not keys):
+        return []
+    return [keys] if isinstance(keys, str | bytes | bytearray) else list(keys)
+
+
+def _encryption_key(key: bytes | str) -> bytes:
+    if isinstance(key, str):
+        try:
+            key = bytes.fromhex(key.strip())
+        except ValueError:
+            raise ValueError(f"a Redis encryption key must be hex (as in {KEY_ENVIRONMENT})") from None
+    if len(key) != 32:
+        raise ValueError(f"a Redis encryption key must be 32 bytes (AES-256), got {len(key)}")
+    return bytes(key)
+
+
+def _tag(hmac_key: bytes, name: bytes, payload: bytes) -> bytes:
+    mac = hmac.new(hmac_key, name, hashlib.sha256)
+    mac.update(payload)  # the same digest as over name || payload, without copying the block
+    return mac.digest()
 
 
 class RedisTier(Tier):
     """Args:
-    url: "redis://host:port/db" (for a cluster, any node's "redis://host:port").
-    hmac_key: bytes, or a string; default from KVWISE_REDIS_HMAC_KEY. Required.
+    url: "redis://[user:password@]host:port/db", or "rediss://..." for TLS (for a cluster, any
+        node's URL).
+    hmac_key: one key (bytes, or a string used as UTF-8) or a list; default from
+        KVWISE_REDIS_HMAC_KEY. Required unless an encryption key is given.
+    encryption_key: one AES-256 key (32 bytes, or hex) or a list; default from KVWISE_REDIS_KEY
+        (hex, comma-separated for a list). With it, values are encrypted.
     ttl_seconds: how long an entry lives.
     cluster: use redis-py's RedisCluster client.
+    timeout_seconds: the socket timeout, the longest one call waits.
+    retry_seconds: after a failure, calls answer at once (a miss) for this long.
     """
 
     name = "redis"
@@ -38,20 +124,22 @@ class RedisTier(Tier):
     def __init__(
         self,
         url: str = "redis://127.0.0.1:6379/0",
-        hmac_key: bytes | str | None = None,
+        hmac_key: KeyOrKeys = None,
         ttl_seconds: int = 3600,
         cluster: bool = False,
         prefix: str = "kvwise:block:",
         timeout_seconds: float = 0.5,
         retry_seconds: float = 5.0,
+        encryption_key: KeyOrKeys = None,
     ):
         super().__init__()
-        hmac_key = hmac_key if hmac_key is not None else os.environ.get(HMAC_ENVIRONMENT)
-        if not hmac_key:
-            raise ValueError(f"the Redis tier needs an HMAC key: pass hmac_key= or set {HMAC_ENVIRONMENT}")
+        if hmac_key is None:
+            hmac_key = os.environ.get(HMAC_ENVIRONMENT)
+        if encryption_key is None:
+            encryption_key = [key for key in os.environ.get(KEY_ENVIRONMENT, "").split(",") if key.strip()]
         if ttl_seconds < 1:
             raise ValueError(f"ttl_seconds must be >= 1, got {ttl_seconds}")
-        self._hmac_key = hmac_key.encode() if isinstance(hmac_key, str) else bytes(hmac_key)
+        self.set_keys(hmac_key, encryption_key)
         self.ttl_seconds, self.prefix = ttl_seconds, prefix
         self.last_error: str | None = None
         # after a failure, calls fail fast for retry_seconds: the engine spills on its own thread
@@ -60,6 +148,7 @@ class RedisTier(Tier):
         import redis
 
         self._errors = (redis.RedisError, OSError)
+        self._response_error = redis.ResponseError
         from redis.backoff import NoBackoff
         from redis.retry import Retry
 
@@ -78,11 +167,47 @@ class RedisTier(Tier):
         else:
             self.client = redis.Redis.from_url(url, retry_on_timeout=False, **options)
 
+    def set_keys(self, hmac_keys: KeyOrKeys = None, encryption_keys: KeyOrKeys = None) -> None:
+        """Replace the keys (a rotation: new first, old after, until old entries have expired).
+        A ValueError leaves the keys in force unchanged. Safe while another thread reads."""
+        self._keys = SealingKeys.parse(hmac_keys, encryption_keys)
+
+    @property
+    def hmac_keys(self) -> tuple[bytes, ...]:
+        return self._keys.hmac_keys
+
+    @property
+    def encryption_keys(self) -> tuple[bytes, ...]:
+        return self._keys.encryption_keys
+
+    @property
+    def encrypted(self) -> bool:
+        return bool(self._keys.ciphers)
+
     def _name(self, key: bytes) -> bytes:
         return self.prefix.encode() + key.hex().encode()
 
-    def _tag(self, name: bytes, payload: bytes) -> bytes:
-        return hmac.new(self._hmac_key, name + payload, hashlib.sha256).digest()
+    def _seal(self, name: bytes, payload: bytes) -> bytes:
+        keys = self._keys
+        if keys.ciphers:
+            nonce = secrets.token_bytes(NONCE_BYTES)  # random: 2^32 values per key stay far from a collision
+            return nonce + keys.ciphers[0].encrypt(nonce, payload, name)
+        return _tag(keys.hmac_keys[0], name, payload) + payload
+
+    def _open(self, name: bytes, value: bytes) -> bytes:
+        """The payload sealed in `value` under `name` with any key in force; else CorruptBlock."""
+        keys = self._keys
+        if keys.ciphers:
+            for cipher in keys.ciphers:
+                try:
+                    return cipher.decrypt(value[:NONCE_BYTES], value[NONCE_BYTES:], name)
+                except (InvalidTag, ValueError):  # ValueError: a value too short to hold a nonce
+                    continue
+            raise CorruptBlock("AES-GCM authentication failed")
+        tag, payload = value[:TAG_BYTES], value[TAG_BYTES:]
+        if any(hmac.compare_digest(tag, _tag(key, name, payload)) for key in keys.hmac_keys):
+            return payload
+        raise CorruptBlock("HMAC tag mismatch")
 
     def _failed(self, error: Exception) -> None:
         self.stats.errors += 1
@@ -101,9 +226,9 @@ class RedisTier(Tier):
             self.stats.refused_puts += 1
             return False
         name = self._name(key)
-        payload = encode_block(key, block)
+        value = self._seal(name, encode_block(key, block))
         try:
-            self.client.set(name, self._tag(name, payload) + payload, ex=self.ttl_seconds)
+            self.client.set(name, value, ex=self.ttl_seconds)
         except self._errors as error:
             self._failed(error)
             self.stats.refused_puts += 1
@@ -119,15 +244,17 @@ class RedisTier(Tier):
         try:
             value = self.client.get(name)
         except self._errors as error:
-            self._failed(error)
-            return None
+            # a list or hash planted under the name is bad data, not a Redis outage
+            if not (isinstance(error, self._response_error) and str(error).startswith("WRONGTYPE")):
+                self._failed(error)
+                return None
+            value = b""
         if value is None:
             return None
-        tag, payload = value[:TAG_BYTES], value[TAG_BYTES:]
         try:
-            if not hmac.compare_digest(tag, self._tag(name, payload)):
-                raise CorruptBlock("HMAC tag mismatch")
-            block = decode_block(key, payload)
+            if not isinstance(value, bytes):
+                raise CorruptBlock(f"Redis returned {type(value).__name__}, not bytes")
+            block = decode_block(key, self._open(name, value))
         except CorruptBlock:
             self.stats.corrupt += 1
             self.delete(key)

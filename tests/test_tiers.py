@@ -179,3 +179,13 @@ def test_redis_cluster_of_three_nodes(tmp_path):
     finally:
         for server in servers:
             server.stop()
+
+
+def test_a_file_cut_short_behind_the_tier_leaves_no_bytes_counted_once_deleted(tmp_path):
+    tier = DiskTier(tmp_path)
+    block = torch.ones(2, 4, 8)
+    tier.put(b"k" * 32, block)
+    path = tier.path(b"k" * 32)
+    path.write_bytes(path.read_bytes()[:10])  # truncated by someone else
+    assert tier.get(b"k" * 32) is None and tier.stats.corrupt == 1  # detected and deleted
+    assert tier.stats.bytes_held == 0 and not path.exists()

@@ -34,6 +34,7 @@ from kvwise.server.openapi import install_openapi, request_body
 from kvwise.server.protocol import ChatRequest, CompletionRequest, OpenAIError
 
 SHARED_PREFIX_HEADER = "x-kvwise-shared-prefix"
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer (never sent)
 
 
 @dataclass
@@ -263,6 +264,8 @@ class _Handlers:
             stream = self._stream(http, formatter, requests, events, params, prompt_tokens, include_usage, top)
             return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         completions = await self._wait(http, requests, events)
+        if completions is None:  # the client hung up: its requests are cancelled, nobody reads an answer
+            return Response(status_code=CLIENT_CLOSED_REQUEST)
         return JSONResponse(formatter.response(completions, prompt_tokens, top))
 
     async def _parse(self, http: Request, model):
@@ -439,7 +442,7 @@ class _Handlers:
 
     # ---- answers -------------------------------------------------------------------------------
     async def _wait(self, http: Request, requests, events: asyncio.Queue):
-        """Every request's CompletionOutput; a client that goes away cancels them."""
+        """Every request's CompletionOutput, or None when the client went away (they are cancelled)."""
         remaining, poll = set(requests), self.settings.disconnect_poll_seconds
         checked = time.monotonic()
         try:
@@ -450,8 +453,8 @@ class _Handlers:
                     item = None
                 if time.monotonic() - checked >= poll:  # also while tokens keep coming
                     checked = time.monotonic()
-                    if await http.is_disconnected():
-                        raise asyncio.CancelledError
+                    if await http.is_disconnected():  # not an exception: uvicorn logs a traceback for each
+                        return None
                 if item is None:
                     continue
                 if isinstance(item, EngineFailure):

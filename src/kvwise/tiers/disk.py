@@ -73,7 +73,10 @@ class DiskTier(Tier):
         self.set_keys(mac_key, encryption_key)
         self.last_error: str | None = None
         self._remove_stale_temporaries()
-        self.stats.bytes_held = sum(path.stat().st_size for path in self.directory.glob("*/*.kvb"))
+        # the size each entry was written with: a file cut short behind the tier's back must not
+        # leave its lost bytes counted (and the capacity check refusing writes) until a restart
+        self._sizes = {path.name: path.stat().st_size for path in self.directory.glob("*/*.kvb")}
+        self.stats.bytes_held = sum(self._sizes.values())
 
     def _remove_stale_temporaries(self) -> None:
         """A process killed between writing a temporary and renaming it leaves the temporary
@@ -94,7 +97,7 @@ class DiskTier(Tier):
             nonce = secrets.token_bytes(NONCE_BYTES)
             payload = nonce + ciphers[0].encrypt(nonce, payload, key)
         target = self.path(key)
-        previous = target.stat().st_size if target.exists() else 0
+        previous = self._size_of(target)
         if self.capacity_bytes is not None and self.stats.bytes_held - previous + len(payload) > self.capacity_bytes:
             self.stats.refused_puts += 1
             self.last_error = "capacity reached"
@@ -113,6 +116,7 @@ class DiskTier(Tier):
             self.last_error = f"{type(error).__name__}: {error.strerror or error}"
             return False
         self.stats.bytes_held += len(payload) - previous
+        self._sizes[target.name] = len(payload)
         self.stats.puts += 1
         return True
 
@@ -172,9 +176,21 @@ class DiskTier(Tier):
     def delete(self, key: bytes) -> None:
         path = self.path(key)
         try:
-            size = path.stat().st_size
+            size = self._size_of(path)
             path.unlink()
-        except FileNotFoundError:
+        except FileNotFoundError:  # removed behind the tier's back: it no longer holds those bytes
+            self.stats.bytes_held -= self._sizes.pop(path.name, 0)
             return
+        self._sizes.pop(path.name, None)
         self.stats.bytes_held -= size
         self.stats.deletes += 1
+
+    def _size_of(self, path: Path) -> int:
+        """The bytes `path` was counted with (what this tier wrote, or found at start); for a file
+        another process wrote meanwhile, its size now; 0 when there is none."""
+        if path.name in self._sizes:
+            return self._sizes[path.name]
+        try:
+            return path.stat().st_size
+        except FileNotFoundError:
+            return 0

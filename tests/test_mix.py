@@ -1,0 +1,55 @@
+"""The one mix syntax: policy@ratio or @max=N, quantizer:options, joined by '+'."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwise.policies.mix import Mix, parse_mix
+
+
+def test_the_issue_examples_parse():
+    mix = parse_mix("kvzip@0.9+kivi4")
+    assert (mix.policy, mix.ratio, mix.max_tokens, mix.quant.split(":")[0]) == ("kvzip", 0.9, None, "kivi4")
+    capped = parse_mix("h2o@max=1024+kivi4:group_size=32")
+    assert capped.max_tokens == 1024 and "group_size=32" in capped.quant and capped.evicts
+    assert parse_mix("kivi2") == Mix(quant=parse_mix("kivi2").quant) and not parse_mix("kivi2").evicts
+    assert parse_mix("full").spec == "full" and parse_mix("full").quant is None
+
+
+@pytest.mark.parametrize(
+    "spellings",
+    [
+        ("kvzip@0.9+kivi4", "kivi4+kvzip@0.9", "KVZIP@0.90+kivi4:sink_tokens=1", "kvzip:0.9+kivi4:"),
+        ("h2o@max=1024", "h2o:1024", " h2o @max=1024 "),
+        ("snapkv:window_size=32@0.5", "snapkv:window_size=32@0.50"),
+    ],
+)
+def test_every_spelling_of_a_mix_has_one_spec(spellings):
+    specs = {parse_mix(spelling).spec for spelling in spellings}
+    assert len(specs) == 1
+    spec = specs.pop()
+    assert parse_mix(spec).spec == spec  # the spec reads back as itself
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("snapk@0.5", "unknown component 'snapk@0.5'"),
+        ("kvzip@0.9+kivi5", "unknown component 'kivi5'"),
+        ("kvzip@1.5", "'kvzip@1.5': the ratio is the fraction of KV removed"),
+        ("kvzip@max=-3", "'kvzip@max=-3': max= takes"),
+        ("kvzip@lots", "'kvzip@lots': expected @RATIO"),
+        ("kvzip", "'kvzip': give a ratio"),
+        ("snapkv:windw=32@0.5", "has no option windw"),
+        ("kivi4:group_size=7", "'kivi4:group_size=7'"),
+        ("kivi4@0.5", "a quantizer takes no ratio"),
+        ("snapkv@0.5+h2o@0.5", "names two policies"),
+        ("kivi2+kivi4", "names two quantizers"),
+        ("kvzip@0.9++kivi4", "empty component"),
+        ("", "a KV mix is a string"),
+    ],
+)
+def test_bad_mixes_name_the_component_at_fault(text, message):
+    with pytest.raises(ValueError, match=None) as error:
+        parse_mix(text)
+    assert message in str(error.value)

@@ -8,7 +8,6 @@ on a background thread and streams the events. Nothing here is thread-safe: one 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -31,6 +30,7 @@ from kvwise.engine.swap import HostSwap
 from kvwise.hf.geometry import kv_geometry, paged_storage_for
 from kvwise.kv.prefix_tiers import PrefixTiers, ReuseStats
 from kvwise.kv.quantizer import make_quantizer
+from kvwise.policies.selection import kept_per_head
 from kvwise.tiers.base import Tier
 
 log = logging.getLogger("kvwise.engine")
@@ -379,7 +379,7 @@ class EngineCore:
             private = chunk.end - request.kv_offset - request.reused  # private KV slots after this chunk
             keep = private
             if chunk.end == request.prefill_target and settings.ratio > 0:
-                keep = max(1, math.ceil(private * (1 - settings.ratio)))
+                keep = kept_per_head(private, settings.ratio)
             cap = settings.max_kv_tokens
             if cap is not None and (keep > cap + self.pool.block_size or (keep < private and keep > cap)):
                 keep = cap

@@ -18,11 +18,6 @@ from kvwise.kv.paged import PagedKVStorage
 from kvwise.kv.quantizer import make_quantizer
 
 
-def quantized_id(entry: int) -> int:
-    """The QuantPool id behind a negative block-table entry."""
-    return -1 - entry
-
-
 class QuantPool:
     def __init__(self, name: str, storage: PagedKVStorage, num_blocks: int):
         self.name = name
@@ -50,10 +45,10 @@ class QuantPool:
         if not self.pool.can_allocate(len(blocks)):
             return None
         ids = self.pool.allocate(len(blocks))
-        source = torch.tensor(blocks, device=storage.keys[0].device)
-        target = torch.tensor(ids, device=source.device)
+        target = torch.tensor(ids, device=self.device)
+        all_keys, all_values = storage.read_blocks(blocks)  # [num_layers, n, block_size, kv_heads, head_dim]
         for layer, quantized in enumerate(self.layers):
-            keys, values = storage.keys[layer].index_select(0, source), storage.values[layer].index_select(0, source)
+            keys, values = all_keys[layer], all_values[layer]
             quantized.write(target, keys, values)
             restored_keys, restored_values = quantized.read(target, self.dtype)
             self.error_sum["keys"] += _relative_error(keys, restored_keys) * len(blocks) / len(self.layers)

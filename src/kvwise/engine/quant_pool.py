@@ -4,8 +4,8 @@ A request that asks for a quantizer keeps its shared prefix, its first block (th
 sink) and its newest `residual_length` tokens in the model's dtype; every other full private
 block moves here once its prefill is done: it is quantized whole (a KIVI key group is one block
 of one head), its full-precision block goes back to the device pool (zeroed), and the request's
-block table points at the quantized block instead (as -1 - id). Attention reads such blocks
-back through `read`; the bytes saved are real.
+block table points at the quantized block instead (`Place.QUANTIZED`). Attention reads such
+blocks back through `read`; the bytes saved are real.
 """
 
 from __future__ import annotations

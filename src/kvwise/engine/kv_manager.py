@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +32,7 @@ from kvwise.core.radix import RadixCache
 from kvwise.engine.block_table import BlockTable, Place
 from kvwise.engine.compaction import Compaction
 from kvwise.engine.config import CacheConfig
+from kvwise.engine.kv_stats import KVStats, TierUsage
 from kvwise.engine.namespaces import default_namespace
 from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.request import Request
@@ -45,59 +45,6 @@ from kvwise.tiers.prefix_tiers import PrefixTiers, ReuseStats
 log = logging.getLogger("kvwise.engine")
 
 PLENTY_FREE_FRACTION = 0.25  # whole-request reservations stop when fewer blocks than this stay free
-
-
-@dataclass(frozen=True)
-class TierUsage:
-    """One prefix tier below the device: bytes held, capacity (None: unbounded), failures."""
-
-    name: str
-    bytes_held: int
-    capacity_bytes: int | None
-    hits_tokens: int
-    corrupt: int
-    errors: int
-
-
-@dataclass(frozen=True)
-class KVStats:
-    """A snapshot of the engine's KV memory, in blocks and bytes that tensors really hold."""
-
-    block_bytes: int  # one device block, every layer, keys and values
-    num_blocks: int
-    free_blocks: int
-    used_blocks: int
-    peak_used_blocks: int  # most device blocks in use after a forward
-    prefix_cached_blocks: int  # device blocks the prefix tree holds
-    prefix_evictions: int  # blocks evicted from the prefix tree
-    prefix_spilled_blocks: int  # of those, blocks at least one tier accepted
-    quantized_bytes: int  # every quantized pool
-    quantization_errors: dict[str, tuple[float, float]]  # quantizer -> mean relative error (keys, values)
-    swap_used_bytes: int | None  # None: no host swap space
-    swap_capacity_bytes: int | None
-    swapped_out_blocks: int
-    swapped_in_blocks: int
-    recomputed_blocks: int  # device blocks dropped by recompute preemptions
-    tiers: tuple[TierUsage, ...] = field(default_factory=tuple)
-
-    @property
-    def used_bytes(self) -> int:
-        return self.used_blocks * self.block_bytes
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
-
-    @property
-    def peak_bytes(self) -> int:
-        return self.peak_used_blocks * self.block_bytes
-
-    @property
-    def spill_ratio(self) -> float:
-        """Of the device blocks given up (preemption, prefix-cache eviction), the share kept on a lower tier."""
-        given_up = self.swapped_out_blocks + self.recomputed_blocks + self.prefix_evictions
-        kept = self.swapped_out_blocks + self.prefix_spilled_blocks
-        return kept / given_up if given_up else 0.0
 
 
 class KVCacheManager:

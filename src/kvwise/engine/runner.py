@@ -7,7 +7,7 @@ blocks, then lets each chunk attend over its whole sequence read back through it
 The step's layout reaches it through the attention modules themselves: for the length of one
 forward, each carries the runner's `StepLayout` (`attached_step`), removed when the forward ends,
 so no state outlives a step and two runners over one model never see each other's. (Not a
-forward keyword: some families, StableLM and GPT-NeoX, do not pass those down to attention.)
+forward keyword: some families, StableLM among them, do not pass those down to attention.)
 Decode tokens: on CPU in float32, one call of the compiled kernel (kernels/paged_decode.cpp) for
 all of them, reading blocks in place; elsewhere one padded SDPA call per bucket of similar
 lengths. Prefill chunks: one SDPA call each, GQA without repeat_kv. On CPU in float32, the

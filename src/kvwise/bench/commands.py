@@ -83,17 +83,20 @@ def add_bench_parsers(workloads) -> None:
     rag.add_argument("--out", type=Path, default=Path("results"))
     rag.add_argument("--quick", action="store_true", help="8 requests, 3 documents of 300-600 tokens, 8 new tokens")
 
-
     isolation = workloads.add_parser("isolation", help="tenant timing probes and cache flooding on a live server")
     isolation.add_argument("--model", default=None)
     isolation.add_argument("--trials", type=int, default=None, help="probes per class and mode (default 200)")
     isolation.add_argument("--prefix-tokens", type=int, default=None, help="tokens of a cached prefix (512)")
     isolation.add_argument("--modes", type=names, default=None, help="isolated,shared,shared-padded")
+    isolation.add_argument(
+        "--hit-probes", type=int, default=None, help="concurrent probes per mode that count cross-tenant hits (1000)"
+    )
     isolation.add_argument("--seed", type=int, default=None)
     isolation.add_argument("--out", type=Path, default=Path("results"))
-    isolation.add_argument("--quick", action="store_true", help="20 probes per class, 256-token prefixes")
+    isolation.add_argument(
+        "--quick", action="store_true", help="20 trials per class, 256-token prefixes, 256 hit probes"
+    )
     isolation.add_argument("--flood-only", action="store_true", help="only the flood test, no timing probes")
-
 
     load = workloads.add_parser("load", help="concurrent streaming clients with hang-ups against a live server")
     load.add_argument("--model", default=None)
@@ -136,10 +139,10 @@ def _isolation(args) -> None:
 
     config = IsolationConfig(model=args.model)
     if args.quick:
-        config.trials, config.prefix_tokens, config.victim_repeats = 20, 256, 4
+        config.trials, config.prefix_tokens, config.victim_repeats, config.hit_probes = 20, 256, 4, 256
     if args.modes is not None:
         args.modes = tuple(args.modes)
-    _override(config, args, ("trials", "prefix_tokens", "modes", "seed"))
+    _override(config, args, ("trials", "prefix_tokens", "modes", "hit_probes", "seed"))
     config.probes = not args.flood_only
     run_isolation(config, args.out)
     print((args.out / "isolation.md").read_text())

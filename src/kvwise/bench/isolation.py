@@ -11,6 +11,11 @@ A live server on loopback (the embedded model by default), two tenants with thei
     AUC must be high: the positive control, which shows the probe is strong enough to count.
   - `shared-padded`: the same, on a server with `--shared-timing-pad`: a shared hit's first token
     is held as long as computing the hit would have taken, so the AUC falls back towards 0.5.
+- **Hit probes.** The timing probe needs its trials one at a time; counting hits does not. After
+  the trials the victim caches `hit_probes` more random prefixes and the prober sends each one
+  back, `hit_probe_concurrency` at a time (batched by the engine), so the count of cross-tenant
+  hits rests on a thousand probes in minutes. Hits are read from the engine (each request's
+  prompt tokens found in the cache, at admission), not inferred from timing.
 - **Flooding.** The victim repeats one prefix while the flooder sends unique prompts, totalling
   `flood_factor` times the pool between two of the victim's requests. Reported: the victim's hit
   rate on its prefix, with fair prefix-cache shares (the default) and without them, in one run.
@@ -21,6 +26,7 @@ from __future__ import annotations
 import json
 import random
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -29,7 +35,7 @@ from tqdm import tqdm
 from kvwise.bench.environment import system_info
 
 MODES = ("isolated", "shared", "shared-padded")
-KEYS = {"victim": "sk-bench-victim", "prober": "sk-bench-prober", "ops": "sk-bench-admin"}
+KEYS = {"victim": "sk-bench-victim", "prober": "sk-bench-prober"}
 
 
 @dataclass
@@ -39,6 +45,9 @@ class IsolationConfig:
     prefix_tokens: int = 512
     suffix_tokens: int = 8
     modes: tuple[str, ...] = MODES
+    hit_probes: int = 1000  # per mode, sent concurrently after the timed trials
+    hit_probe_tokens: int = 64  # a hit needs one whole block in common; longer prefixes only cost time
+    hit_probe_concurrency: int = 32  # requests in flight; the server queues 32 per tenant
     flood_factor: float = 3.0  # the flooder's unique tokens between two victim requests, in pools
     probes: bool = True  # False: the flood test only
     flood_pool_blocks: int = 128  # the flood test's pool (16-token blocks)
@@ -51,6 +60,8 @@ class IsolationConfig:
             raise ValueError(f"unknown modes {unknown}; choose from {', '.join(MODES)}")
         if self.trials < 2 or self.prefix_tokens < 32 or self.flood_factor <= 0 or self.victim_repeats < 2:
             raise ValueError("trials >= 2, prefix_tokens >= 32, flood_factor > 0 and victim_repeats >= 2")
+        if self.hit_probes < 0 or self.hit_probe_tokens < 32 or not 1 <= self.hit_probe_concurrency <= 32:
+            raise ValueError("hit_probes >= 0, hit_probe_tokens >= 32 and hit_probe_concurrency in 1..32")
 
 
 @dataclass
@@ -62,8 +73,15 @@ class Probe:
 
 
 @dataclass
+class HitProbes:
+    mode: str
+    probes: int
+    hits: int  # probes that found any of their prompt in the cache
+
+
+@dataclass
 class ProbeServer:
-    """A server with the bench's tenants, and a client that reads the prober's hits."""
+    """A server with the bench's tenants, a client, and each request's cache hit as the engine saw it."""
 
     model: object
     tokenizer: object
@@ -84,15 +102,19 @@ class ProbeServer:
         keys = {
             KEYS["victim"]: KeyEntry("victim", shared_read=True, shared_write=True),
             KEYS["prober"]: KeyEntry("prober", shared_read=True, shared_write=True),
-            KEYS["ops"]: KeyEntry("ops", admin=True),
         }
         cache = CacheConfig(num_blocks=self.num_blocks, fair_prefix_shares=self.fair_prefix_shares)
         core = EngineCore(self.model, self.tokenizer, cache)
-        settings = ServerSettings(
-            "bench", keys, max_queue=64, metrics_per_tenant=True, shared_timing_pad=self.shared_timing_pad
-        )
+        # {request_id: (tenant, prompt tokens found in the cache)}, written on the engine thread
+        self.admissions: dict[str, tuple[str, int]] = {}
+        core.scheduler.on_admit.append(self._record_admission)
+        settings = ServerSettings("bench", keys, max_queue=64, shared_timing_pad=self.shared_timing_pad)
         self.server = LoopbackServer(create_app(core, settings))
         self.http = httpx.Client(base_url=self.server.base_url, timeout=300)
+
+    def _record_admission(self, request) -> None:
+        # the first admission's lookup is the request's hit; a preempted request is admitted again
+        self.admissions.setdefault(request.request_id, (request.tenant, request.reused))
 
     def complete(self, tenant: str, tokens: list[int], shared_tokens: int = 0) -> float:
         """Seconds until the answer (one token) arrives."""
@@ -105,10 +127,18 @@ class ProbeServer:
         answer.raise_for_status()
         return elapsed
 
+    def complete_all(self, tenant: str, prompts: list[list[int]], shared_tokens: int, concurrency: int) -> None:
+        """All `prompts` at once, `concurrency` in flight (httpx's client is thread-safe)."""
+        with ThreadPoolExecutor(concurrency) as pool:
+            list(pool.map(lambda tokens: self.complete(tenant, tokens, shared_tokens), prompts))
+
+    def hit_tokens(self, tenant: str, since: int = 0) -> list[int]:
+        """Cache hits (prompt tokens) of `tenant`'s requests, in admission order from the `since`-th admission."""
+        admitted = list(self.admissions.values())[since:]  # one C-level copy while the engine thread writes
+        return [reused for owner, reused in admitted if owner == tenant]
+
     def hits(self, tenant: str) -> float:
-        text = self.http.get("/metrics", headers={"Authorization": f"Bearer {KEYS['ops']}"}).text
-        line = f'kvwise_prefix_cache_hits_tokens_total{{tenant="{tenant}"}} '
-        return next((float(row.split()[-1]) for row in text.splitlines() if row.startswith(line)), 0.0)
+        return sum(self.hit_tokens(tenant))
 
     def close(self) -> None:
         self.http.close()
@@ -121,8 +151,10 @@ def roc_auc(slower: list[float], faster: list[float]) -> float:
     return wins / (len(slower) * len(faster))
 
 
-def run_probes(model, tokenizer, config: IsolationConfig, mode: str, vocab: int, progress) -> list[Probe]:
-    """One mode's probes, on a server of its own (padding is a server setting)."""
+def run_probes(
+    model, tokenizer, config: IsolationConfig, mode: str, vocab: int, progress
+) -> tuple[list[Probe], HitProbes]:
+    """One mode's timed probes, then its hit probes, on a server of its own (padding is a server setting)."""
     rng = random.Random(f"{config.seed}-{mode}")
 
     def tokens(count: int) -> list[int]:
@@ -144,9 +176,30 @@ def run_probes(model, tokenizer, config: IsolationConfig, mode: str, vocab: int,
             ttft = server.complete("prober", probe_prefix + tokens(config.suffix_tokens), shared)
             probes.append(Probe(mode, target, ttft, server.hits("prober") - before))
             progress.update()
+        hit_probes = run_hit_probes(server, config, mode, tokens, progress)
     finally:
         server.close()
-    return probes
+    return probes, hit_probes
+
+
+def run_hit_probes(server: ProbeServer, config: IsolationConfig, mode: str, tokens, progress) -> HitProbes:
+    """The victim caches a batch of fresh prefixes, then the prober sends each back with a fresh
+    suffix, the whole batch at once; repeated until `hit_probes` probes. Each batch is probed
+    right after it is cached, so its prefixes are still in the pool: the shared mode, where
+    every probe must hit, shows it."""
+    shared = config.hit_probe_tokens if mode.startswith("shared") else 0
+    hits = 0
+    for first in range(0, config.hit_probes, config.hit_probe_concurrency):
+        batch = min(config.hit_probe_concurrency, config.hit_probes - first)
+        prefixes = [tokens(config.hit_probe_tokens) for _ in range(batch)]
+        cached = [prefix + tokens(config.suffix_tokens) for prefix in prefixes]
+        server.complete_all("victim", cached, shared, config.hit_probe_concurrency)
+        since = len(server.admissions)
+        probes = [prefix + tokens(config.suffix_tokens) for prefix in prefixes]
+        server.complete_all("prober", probes, shared, config.hit_probe_concurrency)
+        hits += sum(reused > 0 for reused in server.hit_tokens("prober", since))
+        progress.update(batch)
+    return HitProbes(mode, config.hit_probes, hits)
 
 
 def run_flood(model, tokenizer, config: IsolationConfig, fair: bool, vocab: int, progress) -> dict:
@@ -181,11 +234,12 @@ def run_isolation(config: IsolationConfig, out_dir: Path) -> dict:
     vocab = model.get_input_embeddings().num_embeddings
     per_round = max(1, round(config.flood_factor * config.flood_pool_blocks * 16 / config.prefix_tokens))
     modes = config.modes if config.probes else ()
-    total = 2 * config.trials * len(modes) + 2 * per_round * (config.victim_repeats - 1)
+    total = (2 * config.trials + config.hit_probes) * len(modes) + 2 * per_round * (config.victim_repeats - 1)
     with tqdm(total=total, desc="isolation", unit="probe") as progress:
-        probes = []
+        probes, hit_probes = [], {}
         for mode in modes:
-            probes += run_probes(model, tokenizer, config, mode, vocab, progress)
+            timed, hit_probes[mode] = run_probes(model, tokenizer, config, mode, vocab, progress)
+            probes += timed
         floods = [run_flood(model, tokenizer, config, fair, vocab, progress) for fair in (True, False)]
     summary = []
     for mode in modes:
@@ -198,6 +252,8 @@ def run_isolation(config: IsolationConfig, out_dir: Path) -> dict:
                 "trials_per_class": len(targets),
                 "target_hits": sum(probe.hit_tokens > 0 for probe in targets),
                 "control_hits": sum(probe.hit_tokens > 0 for probe in controls),
+                "hit_probes": hit_probes[mode].probes,
+                "hit_probe_hits": hit_probes[mode].hits,
                 "auc": roc_auc([p.ttft for p in controls], [p.ttft for p in targets]),
                 "target_ttft_median": sorted(p.ttft for p in targets)[len(targets) // 2],
                 "control_ttft_median": sorted(p.ttft for p in controls)[len(controls) // 2],
@@ -228,15 +284,18 @@ def markdown(report: dict) -> str:
     if report["results"]["probes"]:
         lines += [
             "Timing probe: the prober sends the victim's cached prefix (target) or a fresh one (control); "
-            "AUC = P(control TTFT > target TTFT); 0.5 is no signal.",
+            "AUC = P(control TTFT > target TTFT); 0.5 is no signal. Hit probes: the prober sends back "
+            f"{config['hit_probes']} more of the victim's cached {config['hit_probe_tokens']}-token prefixes, "
+            f"{config['hit_probe_concurrency']} at a time; hits as the engine counted them.",
             "",
-            "| mode | target hits | control hits | AUC | TTFT median target / control (s) |",
-            "|---|---|---|---|---|",
+            "| mode | target hits | control hits | hit probes: hits | AUC | TTFT median target / control (s) |",
+            "|---|---|---|---|---|---|",
         ]
     for row in report["results"]["probes"]:
         lines.append(
             f"| {row['mode']} | {row['target_hits']}/{row['trials_per_class']} | "
-            f"{row['control_hits']}/{row['trials_per_class']} | {row['auc']:.2f} | "
+            f"{row['control_hits']}/{row['trials_per_class']} | {row['hit_probe_hits']}/{row['hit_probes']} | "
+            f"{row['auc']:.2f} | "
             f"{row['target_ttft_median']:.3f} / {row['control_ttft_median']:.3f} |"
         )
     flood_title = "Flooding: the victim's hit rate on its repeated prefix while another tenant sends unique prompts."

@@ -90,8 +90,13 @@ class EngineCore:
         self.logits_observer = None
         self.sliding_layers = shape.sliding_layers
         self.steps = 0
-        self.prefill_seconds_per_token = 0.0  # running estimate (see _measure_prefill)
-        self._prefill_samples: deque[tuple[int, float]] = deque(maxlen=64)
+        # for the server's timing pad (see hit_pad_seconds): recent prefill-only steps as (tokens,
+        # attention pairs, cold, seconds), the cost model fitted on them (None: refit when asked),
+        # the step just run as (tokens, pairs, cold, seconds, prefill only), and when it ended
+        self._prefill_samples: deque[tuple[int, int, float, float]] = deque(maxlen=64)
+        self._prefill_fit: list[float] | None = None
+        self._last_step: tuple[int, int, float, float, bool] = (0, 0, 0.0, 0.0, False)
+        self._last_step_ended = 0.0
         self.step_log: deque[StepRecord] = deque(maxlen=1024)
         keys = [namespace_key] if namespace_key is None or isinstance(namespace_key, bytes) else namespace_key
         self.set_namespace_keys([default_namespace_key(keys[0]), *keys[1:]])
@@ -245,22 +250,74 @@ class EngineCore:
         return events
 
     def _measure_prefill(self, chunks, seconds: float) -> None:
-        """The marginal cost of a prefill token, from a least-squares line through recent
-        prefill-only steps (seconds = overhead + tokens x cost): the server's timing pad for
-        shared hits adds what the hit saved, and a step's fixed overhead is not part of that."""
-        if any(chunk.end - chunk.start == 1 for chunk in chunks):
-            return  # decodes in the step: its time says little about prefill
+        """Describe each step for `hit_pad_seconds`, and keep the prefill-only ones to fit its
+        cost model on (a step with decodes in it says little about prefill)."""
+        ended = time.perf_counter()
+        idle, self._last_step_ended = ended - seconds - self._last_step_ended, ended
+        # a step right after the engine sat idle runs slower: in bench isolation's server a 0.34 s
+        # prefill took 9 ms more after 50 ms idle, 26 ms after 100 ms, 29 ms after 300 ms (a hit's
+        # 0.08 s step, 8-11 ms). Padded hits idle the engine, so the steps after them are slow;
+        # without this term they inflated every predicted miss. 0 up to 20 ms idle, 1 from 100 ms.
+        cold = min(max(idle - 0.02, 0.0), 0.08) / 0.08
         tokens = sum(chunk.end - chunk.start for chunk in chunks)
-        self._prefill_samples.append((tokens, seconds))
-        samples = self._prefill_samples
-        mean_tokens = sum(t for t, _ in samples) / len(samples)
-        mean_seconds = sum(s for _, s in samples) / len(samples)
-        spread = sum((t - mean_tokens) ** 2 for t, _ in samples)
-        if spread > 0:
-            slope = sum((t - mean_tokens) * (s - mean_seconds) for t, s in samples) / spread
-            self.prefill_seconds_per_token = max(0.0, slope)
-        else:
-            self.prefill_seconds_per_token = mean_seconds / max(1, mean_tokens)
+        # query position q attends to q + 1 keys, cached context included: a hit's suffix still
+        # pays for attending over the prefix it did not compute
+        pairs = sum((chunk.end * (chunk.end + 1) - chunk.start * (chunk.start + 1)) // 2 for chunk in chunks)
+        prefill_only = all(chunk.end - chunk.start > 1 for chunk in chunks)
+        self._last_step = (tokens, pairs, cold, seconds, prefill_only)
+        if prefill_only:
+            self._prefill_samples.append((tokens, pairs, cold, seconds))
+            self._prefill_fit = None
+
+    def hit_pad_seconds(self, saved_tokens: int) -> float:
+        """How much longer the step just run would have taken had one of its requests computed the
+        `saved_tokens` leading prompt tokens it found in the cache: the server holds a shared hit's
+        first token that long, so that its TTFT is a miss's.
+
+        A cost model, seconds = overhead + tokens x per_token + attention pairs x per_pair +
+        cold x slowdown, fitted on recent prefill-only steps, predicts the step as a miss; what the
+        step took is subtracted. So the miss is predicted under the step's own conditions (its
+        batch, an idle engine before it) and the hit's own timing noise cancels. In a step with
+        decodes, outside the model, the pad is the model's cost of the saved tokens alone.
+
+        The fit minimises absolute, not squared, deviations. Other work on the machine slows some
+        steps far beyond their usual time; a least-squares fit follows those means, and padded
+        hits answered slower than typical misses (bench isolation, 256-token prefixes: AUC 0.39,
+        hits ~50 ms behind misses). The L1 fit follows the medians."""
+        if saved_tokens <= 0 or not self._prefill_samples:
+            return 0.0
+        if self._prefill_fit is None:
+            self._prefill_fit = self._fit_prefill_cost()
+        overhead, per_token, per_pair, per_cold = self._prefill_fit
+        tokens, pairs, cold, seconds, prefill_only = self._last_step
+        saved = saved_tokens * per_token + saved_tokens * (saved_tokens + 1) // 2 * per_pair
+        if not prefill_only:
+            return max(0.0, saved)
+        missed = overhead + tokens * per_token + pairs * per_pair + cold * per_cold + saved
+        # the pad runs from the step's end: this fit (a millisecond or two) is time a miss does not wait
+        return max(0.0, missed - seconds - (time.perf_counter() - self._last_step_ended))
+
+    def _fit_prefill_cost(self) -> list[float]:
+        """[overhead, per token, per attention pair, per cold] in seconds, by iteratively reweighted least squares."""
+        # [n, 4]: tokens, pairs, cold, seconds
+        samples = torch.tensor(list(self._prefill_samples), dtype=torch.float64)
+        if len({(tokens, pairs) for tokens, pairs, _, _ in self._prefill_samples}) < 2:  # one kind of step
+            return [0.0, (samples[:, 3] / samples[:, 0]).median().item(), 0.0, 0.0]
+        # with two kinds of step (a hit's and a miss's) the terms are not separable, and need not
+        # be: lstsq's minimum-norm solution still fits both, and predicting one from the other holds
+        features = torch.cat([torch.ones(len(samples), 1, dtype=torch.float64), samples[:, :3]], dim=1)
+        scale = features.amax(dim=0).clamp(min=1)  # columns of one magnitude keep the solve well conditioned
+        features, seconds = features / scale, samples[:, 3]
+        # a step's weight halves every 16 newer steps: when other work on the machine starts or
+        # stops, the fit follows within a few requests (with equal weights the whole window had
+        # to turn over: bench isolation saw padded hits 15 trials behind a jump in miss times)
+        recency = 0.5 ** (torch.arange(len(samples) - 1, -1, -1, dtype=torch.float64) / 16)
+        weights = recency
+        for _ in range(20):  # minimising sum(v r^2 / |r|) is minimising sum(v |r|)
+            rows = weights.sqrt()[:, None]
+            coefficients = torch.linalg.lstsq(features * rows, seconds[:, None] * rows).solution[:, 0]
+            weights = recency / (seconds - features @ coefficients).abs().clamp(min=1e-4)
+        return (coefficients / scale).tolist()
 
     # ---- faults --------------------------------------------------------------------------------
     def _forward_isolating_faults(self, chunks) -> tuple[list, ForwardOutput, list]:

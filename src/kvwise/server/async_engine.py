@@ -213,12 +213,16 @@ class AsyncEngine:
         self._loop.call_soon_threadsafe(self._hand_over, request, events, item, pad)
 
     def _timing_pad(self, request: Request, item) -> float:
-        """Seconds to hold a request's first token: what computing its shared-namespace hit would
-        have cost, so a timing probe cannot tell that another tenant cached the prefix."""
+        """Seconds to hold a request's first token: how much longer its step would have taken had
+        its shared-namespace hit been a miss (`EngineCore.hit_pad_seconds`, which says how that is
+        estimated), so a timing probe cannot tell that another tenant cached the prefix. Called
+        right after the step that produced `item`. Only tokens found in the shared segment count: a
+        request with no shared segment (every isolated tenant's) or whose segment missed is never held."""
         if not self.shared_timing_pad or not isinstance(item, TokenEvent) or len(request.output) != 1:
             return 0.0
         segment = request.shared_prefix_tokens // self.core.pool.block_size * self.core.pool.block_size
-        return min(request.reused, segment) * self.core.prefill_seconds_per_token
+        shared_hit_tokens = min(request.reused, segment)
+        return self.core.hit_pad_seconds(shared_hit_tokens) if shared_hit_tokens > 0 else 0.0
 
     def _hand_over(self, request: Request, events: asyncio.Queue, item, pad: float) -> None:
         """On the event loop: queue `item` for its handler, holding a padded request's events back

@@ -312,10 +312,15 @@ class EngineCore:
         # stops, the fit follows within a few requests (with equal weights the whole window had
         # to turn over: bench isolation saw padded hits 15 trials behind a jump in miss times)
         recency = 0.5 ** (torch.arange(len(samples) - 1, -1, -1, dtype=torch.float64) / 16)
+        # a faint ridge on the slopes makes the solve full rank: with two or three kinds of step the
+        # plain problem has many exact solutions, and which one LAPACK returned varied run to run
+        ridge = torch.cat([torch.zeros(3, 1, dtype=torch.float64), torch.eye(3, dtype=torch.float64)], dim=1) * 1e-4
         weights = recency
         for _ in range(20):  # minimising sum(v r^2 / |r|) is minimising sum(v |r|)
             rows = weights.sqrt()[:, None]
-            coefficients = torch.linalg.lstsq(features * rows, seconds[:, None] * rows).solution[:, 0]
+            system = torch.cat([features * rows, ridge])
+            target = torch.cat([seconds[:, None] * rows, torch.zeros(3, 1, dtype=torch.float64)])
+            coefficients = torch.linalg.lstsq(system, target).solution[:, 0]
             weights = recency / (seconds - features @ coefficients).abs().clamp(min=1e-4)
         return (coefficients / scale).tolist()
 

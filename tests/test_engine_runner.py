@@ -7,10 +7,12 @@ import torch
 
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.radix import RadixCache
+from kvwise.engine.kv_manager import KVCacheManager
+from kvwise.engine.namespaces import default_namespace
 from kvwise.engine.request import Request
 from kvwise.engine.runner import ModelRunner
 from kvwise.engine.sampling import SamplingParams
-from kvwise.engine.scheduler import Scheduler, default_namespace
+from kvwise.engine.scheduler import Scheduler
 from kvwise.kv.paged import PagedKVStorage
 from tests.conftest import random_ids
 
@@ -35,7 +37,8 @@ def engine(model, batches, max_tokens, budget=16, reuse=True, num_blocks=64, cpu
     pool = BlockPool(num_blocks, BLOCK)
     storage = PagedKVStorage(config.num_hidden_layers, num_blocks, BLOCK, config.num_key_value_heads, head_dim)
     storage.attach(pool)
-    scheduler = Scheduler(pool, RadixCache(pool) if reuse else None, default_namespace("tiny"), token_budget=budget)
+    kv = KVCacheManager(pool, RadixCache(pool) if reuse else None, default_namespace("tiny"), storage)
+    scheduler = Scheduler(kv, token_budget=budget)
     runner = ModelRunner(model, storage, cpu_kernel=cpu_kernel)
     if cpu_kernel and runner.decode_kernel is None:
         pytest.skip("no CPU decode kernel on this machine (test_cpu_kernel says why)")
@@ -46,7 +49,7 @@ def engine(model, batches, max_tokens, budget=16, reuse=True, num_blocks=64, cpu
             scheduler.add(request)
         while scheduler.running or scheduler.waiting:
             step = scheduler.schedule()
-            logits = runner.forward(step.chunks)
+            logits = runner.forward(step.chunks).logits
             for chunk, row in zip(step.chunks, logits):
                 request = chunk.request
                 scheduler.complete(chunk, int(row.argmax()) if chunk.end >= len(request.prompt) else None)

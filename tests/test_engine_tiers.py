@@ -48,8 +48,8 @@ def test_evicted_prefix_blocks_come_back_from_the_host_tier(llama):
     first, again = outputs["tier"]
     assert again.output == first.output  # greedy: the restored KV is the KV
     assert again.reused == 40  # all 10 full blocks (the last prompt token is always computed)
-    assert with_tier.prefix_stats.hits_tokens["host"] == 40
-    assert with_tier.prefix_stats.spilled_blocks >= 10
+    assert with_tier.kv.prefix_stats.hits_tokens["host"] == 40
+    assert with_tier.kv.prefix_stats.spilled_blocks >= 10
     assert outputs["none"][1].reused == 0  # the same traffic without a tier loses the prefix
 
 
@@ -65,8 +65,8 @@ def test_a_corrupt_disk_block_is_recomputed_with_the_same_output(llama, tmp_path
         path.write_bytes(bytes(data))
     again = run(core, prompt(4))
     assert again.output == first.output
-    assert again.reused == 0 and core.prefix_stats.recomputed_blocks >= 1
-    assert core.prefix_tiers.tiers[0].stats.corrupt >= 1
+    assert again.reused == 0 and core.kv.prefix_stats.recomputed_blocks >= 1
+    assert core.kv.tiers.tiers[0].stats.corrupt >= 1
 
 
 def test_a_tier_block_of_another_geometry_is_a_miss_and_leaks_nothing(llama):
@@ -80,8 +80,8 @@ def test_a_tier_block_of_another_geometry_is_a_miss_and_leaks_nothing(llama):
         host._blocks[key] = torch.zeros(2, 2, 4, 1, 8)
     again = run(core, prompt(6))
     assert again.output == first.output and again.reused == 0 and host.stats.corrupt >= 1
-    held = {node.block for node in core.tree.nodes()}
-    assert all(count == (block in held) for block, count in enumerate(core.pool.ref_counts))
+    held = {node.block for node in core.kv.tree.nodes()}
+    assert all(count == (block in held) for block, count in enumerate(core.kv.pool.ref_counts))
 
 
 def test_tenants_do_not_get_each_others_spilled_blocks(llama):
@@ -89,7 +89,7 @@ def test_tenants_do_not_get_each_others_spilled_blocks(llama):
     run(core, prompt(7), tenant="alice")
     flush_device(core, seed=8)
     bob = run(core, prompt(7), tenant="bob")
-    assert bob.reused == 0 and core.prefix_stats.hits_tokens["host"] == 0
+    assert bob.reused == 0 and core.kv.prefix_stats.hits_tokens["host"] == 0
     alice = run(core, prompt(7), tenant="alice")
     assert alice.reused == 40
 
@@ -111,7 +111,7 @@ def test_a_tenant_at_its_quota_cannot_flush_another(llama):
         run(core, prompt(10), tenant="alice")
         for seed in range(11, 15):
             run(core, prompt(seed), tenant="bob")
-        outcomes[name] = (core.tree.usage["bob"], run(core, prompt(10), tenant="alice").reused)
+        outcomes[name] = (core.kv.tree.usage["bob"], run(core, prompt(10), tenant="alice").reused)
     assert outcomes["none"][1] == 0  # no quota at all: alice's prefix was flushed
     assert outcomes["quota"][0] <= 12 and outcomes["quota"][1] == 40
     assert outcomes["fair"][0] <= 20 and outcomes["fair"][1] == 40
@@ -179,7 +179,7 @@ def test_every_tampered_disk_entry_is_detected_counted_and_recomputed(llama, tmp
     files = sorted(tmp_path.glob("*/*.kvb"))
     assert len(files) >= 10
     _damage(kind, files, tmp_path)
-    disk = core.prefix_tiers.tiers[0]
+    disk = core.kv.tiers.tiers[0]
     again = run(core, prompt(4))
     assert again.output == first.output and again.reused == 0  # nothing tampered is served
     assert disk.stats.corrupt >= 1 and disk.stats.hits == 0
@@ -198,7 +198,7 @@ def test_entries_of_other_weights_are_misses(llama, tmp_path):
     llama._kvwise_attention_shapes = None
     retrained = EngineCore(llama, None, CONFIG, tiers=[DiskTier(tmp_path, mac_key=b"k" * 32)], namespace_key=b"n" * 32)
     again = run(retrained, prompt(4))
-    assert again.reused == 0 and retrained.prefix_stats.hits_tokens.get("disk", 0) == 0
+    assert again.reused == 0 and retrained.kv.prefix_stats.hits_tokens.get("disk", 0) == 0
 
 
 def test_a_tier_that_raises_on_read_is_a_miss_not_a_failed_step(llama):
@@ -211,4 +211,4 @@ def test_a_tier_that_raises_on_read_is_a_miss_not_a_failed_step(llama):
     flush_device(core, seed=5)
     again = run(core, prompt(4))
     assert again.output == first.output and again.reused == 0 and again.error is None
-    assert core.prefix_tiers.tiers[0].stats.errors >= 1 and "a bug in a tier" in core.prefix_tiers.tiers[0].last_error
+    assert core.kv.tiers.tiers[0].stats.errors >= 1 and "a bug in a tier" in core.kv.tiers.tiers[0].last_error

@@ -73,7 +73,7 @@ def bytes_on_disk(directory: Path) -> int:
 
 def block_paths(core: EngineCore, tier: DiskTier, prompt: list[int]) -> list[Path]:
     """The files that hold the prompt's full blocks, as the server names them."""
-    namespace = core.scheduler.namespace_of(core.make_request(prompt, SamplingParams(max_tokens=MAX_TOKENS)))
+    namespace = core.kv.namespace_of(core.make_request(prompt, SamplingParams(max_tokens=MAX_TOKENS)))
     return [tier.path(key) for key in chain_keys(prompt, BLOCK_SIZE, namespace)[:PROMPT_BLOCKS]]
 
 
@@ -120,23 +120,23 @@ def test_a_full_disk_refuses_puts_and_the_tier_recovers_when_space_returns(
     disk_dir = tmp_path / "disk"
     server = disk_server(model_dir, disk_dir)
     core = server.engine.core
-    tier = core.prefix_tiers.tiers[0]
+    tier = core.kv.tiers.tiers[0]
     try:
         fault = FullDisk(disk_dir, monkeypatch)
         for index in (0, 5, 6, 7, 0):  # 0 is pushed out, then asked again: nothing to find on disk
             assert complete(server, prompts[index]) == expected[index]
         assert fault.failed >= PROMPT_BLOCKS and tier.stats.refused_puts == fault.failed
-        assert tier.stats.puts == 0 and core.prefix_stats.spilled_blocks == 0
+        assert tier.stats.puts == 0 and core.kv.prefix_stats.spilled_blocks == 0
         assert "No space left" in tier.last_error
         assert not list(disk_dir.rglob("*.tmp")) and not list(disk_dir.rglob("*.kvb"))  # half writes removed
-        assert tier.stats.bytes_held == 0 and core.prefix_stats.hits_tokens["disk"] == 0
+        assert tier.stats.bytes_held == 0 and core.kv.prefix_stats.hits_tokens["disk"] == 0
 
         fault.full = False  # space comes back: the same tier takes blocks and serves them
         for index in (1, 5, 6, 7):
             assert complete(server, prompts[index]) == expected[index]
-        hits_before = core.prefix_stats.hits_tokens["disk"]
+        hits_before = core.kv.prefix_stats.hits_tokens["disk"]
         assert complete(server, prompts[1]) == expected[1]
-        assert core.prefix_stats.hits_tokens["disk"] - hits_before == PROMPT_BLOCKS * BLOCK_SIZE
+        assert core.kv.prefix_stats.hits_tokens["disk"] - hits_before == PROMPT_BLOCKS * BLOCK_SIZE
         assert tier.stats.puts >= PROMPT_BLOCKS and tier.stats.refused_puts == fault.failed
         assert tier.stats.bytes_held == bytes_on_disk(disk_dir) > 0
     finally:
@@ -162,7 +162,7 @@ def test_files_damaged_under_a_live_server_are_counted_deleted_and_recomputed(mo
     disk_dir = tmp_path / "disk"
     server = disk_server(model_dir, disk_dir)
     core = server.engine.core
-    tier = core.prefix_tiers.tiers[0]
+    tier = core.kv.tiers.tiers[0]
     try:
         for index in range(8):  # prompts 0-4, then 5-7 push all of them to the disk
             assert complete(server, prompts[index]) == expected[index]
@@ -172,14 +172,14 @@ def test_files_damaged_under_a_live_server_are_counted_deleted_and_recomputed(mo
             damage(paths[index][block])
 
         for index in range(5):
-            hits_before = core.prefix_stats.hits_tokens["disk"]
+            hits_before = core.kv.prefix_stats.hits_tokens["disk"]
             assert complete(server, prompts[index]) == expected[index]  # recomputed from the bad block on
-            served = core.prefix_stats.hits_tokens["disk"] - hits_before
+            served = core.kv.prefix_stats.hits_tokens["disk"] - hits_before
             block = DAMAGE.get(index, (PROMPT_BLOCKS, None))[0]
             assert served == block * BLOCK_SIZE  # the blocks before the damaged one, none after
             if index in DAMAGE:
                 assert not paths[index][block].exists()  # deleted, and not yet spilled again
-        assert tier.stats.corrupt == len(DAMAGE) and core.prefix_stats.recomputed_blocks == len(DAMAGE)
+        assert tier.stats.corrupt == len(DAMAGE) and core.kv.prefix_stats.recomputed_blocks == len(DAMAGE)
         # not asserted: bytes_held == bytes on disk. A file cut short behind the tier's back is
         # subtracted at its new size when deleted, so the count stays high by what was cut off
         # until a restart recounts the folder (see the restart test below).

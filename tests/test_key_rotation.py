@@ -54,7 +54,7 @@ def test_a_namespace_rotation_keeps_spilled_prefixes_until_the_old_key_is_droppe
     disk.set_keys([disk_mac_key(NEW), disk_mac_key(OLD)])
     again = run(core, prompt(4))
     assert again.output == first.output and again.reused == 40  # found under the retired key
-    assert core.prefix_stats.hits_tokens["disk"] == 40
+    assert core.kv.prefix_stats.hits_tokens["disk"] == 40
     flush_device(core, seed=7)
     core.set_namespace_keys([NEW])
     disk.set_keys([disk_mac_key(NEW)])

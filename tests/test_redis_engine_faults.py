@@ -120,11 +120,11 @@ def test_every_tampered_redis_entry_is_detected_counted_and_recomputed(llama, re
     assert probe.stats.corrupt == len(tampered) and probe.stats.hits == 0 and probe.stats.errors == 0
 
     tier.client.mset(tampered)  # back, for the live engine
-    corrupt, hits, recomputed = tier.stats.corrupt, tier.stats.hits, core.prefix_stats.recomputed_blocks
+    corrupt, hits, recomputed = tier.stats.corrupt, tier.stats.hits, core.kv.prefix_stats.recomputed_blocks
     again = run(core, prompt(4))
     assert again.output == first.output and again.reused == 0  # recomputed, nothing tampered served
     assert tier.stats.hits == hits and tier.stats.corrupt > corrupt
-    assert core.prefix_stats.recomputed_blocks > recomputed
+    assert core.kv.prefix_stats.recomputed_blocks > recomputed
 
 
 # ---- outage -------------------------------------------------------------------------------------
@@ -149,7 +149,7 @@ def serve(core: EngineCore, requests: list[list[int]], events: dict) -> tuple[li
     tokens restored from Redis."""
     outputs, redis_tokens = [], []
     for index, tokens in enumerate(requests):
-        before = core.prefix_stats.hits_tokens["redis"]
+        before = core.kv.prefix_stats.hits_tokens["redis"]
         request = core.make_request(tokens, SamplingParams(max_tokens=4, temperature=0))
         core.add(request)
         core.step()
@@ -158,7 +158,7 @@ def serve(core: EngineCore, requests: list[list[int]], events: dict) -> tuple[li
         while core.has_work:
             core.step()
         outputs.append(request.output)
-        redis_tokens.append(core.prefix_stats.hits_tokens["redis"] - before)
+        redis_tokens.append(core.kv.prefix_stats.hits_tokens["redis"] - before)
     return outputs, redis_tokens
 
 
@@ -203,4 +203,4 @@ def test_redis_killed_restarted_frozen_and_thawed_mid_run(llama, tmp_path):
     tier_seconds = [record.tier_seconds for record in core.step_log]
     assert max(tier_seconds) <= TIMEOUT_SECONDS + MARGIN_SECONDS, max(tier_seconds)
     assert max(tier_seconds) >= 0.8 * TIMEOUT_SECONDS  # the frozen Redis was met: the bound was tested
-    assert sum(tier_seconds) == pytest.approx(core.prefix_stats.seconds_in_tiers)  # every tier call in a step
+    assert sum(tier_seconds) == pytest.approx(core.kv.prefix_stats.seconds_in_tiers)  # every tier call in a step

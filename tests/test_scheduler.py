@@ -4,9 +4,12 @@ from __future__ import annotations
 
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.radix import RadixCache
+from kvwise.engine.block_table import BlockTable
+from kvwise.engine.kv_manager import KVCacheManager
+from kvwise.engine.namespaces import default_namespace
 from kvwise.engine.request import Request, Status
 from kvwise.engine.sampling import SamplingParams
-from kvwise.engine.scheduler import Scheduler, default_namespace
+from kvwise.engine.scheduler import Scheduler
 
 BLOCK = 4
 
@@ -14,7 +17,7 @@ BLOCK = 4
 def make(num_blocks=64, budget=16, **options):
     pool = BlockPool(num_blocks, BLOCK)
     tree = RadixCache(pool)
-    return pool, tree, Scheduler(pool, tree, default_namespace("m"), token_budget=budget, **options)
+    return pool, tree, Scheduler(KVCacheManager(pool, tree, default_namespace("m")), token_budget=budget, **options)
 
 
 def run_step(scheduler, step, max_tokens=3):
@@ -97,7 +100,7 @@ def test_memory_pressure_preempts_the_newest_and_requeues_it():
     run_step(scheduler, scheduler.schedule(), max_tokens=99)  # both prefilled: 3 + 3 blocks, pool full
     step = scheduler.schedule()  # older needs a 4th block for its 13th token
     assert step.preempted == [newer] and newer.status is Status.WAITING and scheduler.waiting[0] is newer
-    assert [c.request for c in step.decodes] == [older] and newer.blocks == []
+    assert [c.request for c in step.decodes] == [older] and len(newer.blocks) == 0
     assert pool.stats().free + pool.stats().used == pool.stats().total
 
 
@@ -126,7 +129,7 @@ def test_requests_stuck_mid_prefill_make_progress():
     first, second = Request(list(range(20)), SamplingParams(max_tokens=2)), Request(list(range(100, 120)))
     for request in (first, second):
         request.status = Status.RUNNING
-        request.blocks, request.computed, request.reserved = pool.allocate(3), 12, True
+        request.blocks, request.computed, request.reserved = BlockTable(pool.allocate(3)), 12, True
         scheduler.running.append(request)
     step = scheduler.schedule()  # one block free: first gets a 4-token chunk, second nothing
     assert [(c.request, c.start, c.end) for c in step.prefills] == [(first, 12, 16)]

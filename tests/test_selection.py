@@ -2,8 +2,8 @@
 
 import torch
 
-from kvwise.hf.cache import with_shared_tokens
 from kvwise.policies.base import PROTECTED, keep_top_across, keep_top_per_head, split_budget
+from kvwise.policies.selection import with_shared_tokens
 
 
 def test_keep_top_per_head_respects_validity_and_budget():

@@ -70,9 +70,9 @@ def _command_policies(args) -> None:
 
 
 def _command_generate(args) -> None:
-    from kvwise.hf.cache import check_ratio
     from kvwise.kv.quantizer import make_quantizer
     from kvwise.policies.registry import make_policy
+    from kvwise.policies.selection import check_ratio
 
     check_ratio(args.ratio)
     make_policy(args.policy)
@@ -103,11 +103,11 @@ def _command_demo(args) -> None:
 def _command_check_model(args) -> int:
     import torch
 
-    from kvwise.hf.cache import check_ratio
     from kvwise.hf.geometry import kv_geometry
     from kvwise.model_check import check_model
     from kvwise.models import load_model
     from kvwise.policies.registry import make_policy
+    from kvwise.policies.selection import check_ratio
 
     check_ratio(args.ratio)
     policies = [name.strip() for name in args.policies.split(",") if name.strip()]

@@ -22,6 +22,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvwise.policies.selection import kept_per_head
+
 # float32: what the engine's reordered reductions (paged blocks, fused kernels) move logits by
 ENGINE_TOLERANCE = 1e-4
 CACHE_TOLERANCE = 1e-5
@@ -262,7 +264,7 @@ def _expected_kept(cache, num_tokens: int, full_layers) -> int:
     heads = sum(layer.num_kv_heads for layer in full_layers)
     if cache.policy.keeps_everything or cache.compression_ratio == 0:
         return heads * num_tokens
-    return heads * max(1, round((1.0 - cache.compression_ratio) * num_tokens))
+    return heads * kept_per_head(num_tokens, cache.compression_ratio)
 
 
 def check_model(model, tokenizer, text: str, policies: list[str], ratio: float, progress=None) -> list[Verdict]:

@@ -24,10 +24,11 @@ from kvwise.bench.haystack import (
     trial_grid,
 )
 from kvwise.bench.partial import read_partial
-from kvwise.hf.cache import KVWiseCache, check_ratio, full_kv_bytes
+from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.generation import greedy_continue
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.policies.registry import make_policy
+from kvwise.policies.selection import check_ratio
 
 NUM_NEW_TOKENS = 8
 

@@ -75,7 +75,7 @@ def run_engine(model, tokenizer, prompts: list[list[int]], config: RagConfig, re
         len(done),
     )
     row["hit_rate"] = sum(r.reused for r in done) / sum(len(r.prompt) for r in done)
-    row["peak_kv_bytes"] = core.peak_blocks * core.storage.nbytes() // core.pool.num_blocks
+    row["peak_kv_bytes"] = core.kv.stats().peak_bytes
     return row
 
 

@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 import torch
 
 from kvwise.kv.paged import PagedKVStorage
-from kvwise.policies.base import Policy, keep_top_per_head
+from kvwise.policies.base import Policy
 from kvwise.policies.scoring_input import ScoringInput
+from kvwise.policies.selection import select_in_layer
 
 
 @dataclass
@@ -54,8 +55,8 @@ class Compaction:
             num_layers=len(storage.keys),
             budget=self.keep,
         )
-        budgets = torch.full((1, heads), self.keep, device=keys.device)
-        kept = keep_top_per_head(self.policy.score(scoring), valid, budgets)[0]  # [kv_heads, L]
+        budgets = torch.full((1,), self.keep, device=keys.device)
+        kept = select_in_layer(self.policy, self.policy.score(scoring), scoring, budgets)[0]  # [kv_heads, L]
         # the kept slots of each head in their original order: True sorts first under a stable sort
         order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)[:, : self.keep]  # [kv_heads, keep]
         index = order.t()[..., None].expand(-1, -1, keys.shape[-1])  # [keep, kv_heads, dim]

@@ -8,7 +8,6 @@ on a background thread and streams the events. Nothing here is thread-safe: one 
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -16,20 +15,15 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwise.core.block_pool import BlockPool
-from kvwise.core.radix import RadixCache
 from kvwise.core.secret_keys import namespace_key as default_namespace_key
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.detokenizer import IncrementalText
+from kvwise.engine.kv_manager import KVCacheManager
 from kvwise.engine.kv_settings import KVSettings
-from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.request import Request
-from kvwise.engine.runner import ModelRunner
+from kvwise.engine.runner import ForwardOutput, ModelRunner
 from kvwise.engine.sampling import SamplingParams, find_stop, sample
-from kvwise.engine.scheduler import Scheduler, default_namespace
-from kvwise.engine.swap import HostSwap
-from kvwise.hf.geometry import kv_geometry, paged_storage_for
-from kvwise.kv.prefix_tiers import PrefixTiers, ReuseStats
+from kvwise.engine.scheduler import Scheduler
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.tiers.base import Tier
 
@@ -88,38 +82,13 @@ class EngineCore:
         self.max_positions = getattr(model.config.get_text_config(decoder=True), "max_position_embeddings", None)
         self.eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.vocab_size = model.get_input_embeddings().num_embeddings
-        self.pool = BlockPool(config.num_blocks, config.block_size)
-        self.storage = paged_storage_for(model, config.num_blocks, config.block_size)
-        self.storage.attach(self.pool)
-        if tiers and not config.prefix_caching:
-            raise ValueError("prefix tiers hold evicted prefix-cache blocks: they need prefix_caching=True")
-        self.tree = (
-            RadixCache(self.pool, default_quota=config.prefix_quota_blocks, fair_share=config.fair_prefix_shares)
-            if config.prefix_caching
-            else None
-        )
-        self.prefix_stats = ReuseStats()  # tier hits, spills; device hits are counted per request
-        self.prefix_tiers = PrefixTiers(tiers, self.storage, self.pool, self.tree, self.prefix_stats) if tiers else None
-        if self.prefix_tiers is not None:
-            self.tree.on_evict = self.prefix_tiers.spill
-        shape = kv_geometry(model)
-        self.swap = HostSwap(self.storage, config.swap_space_bytes) if config.swap_space_bytes else None
-        self.scheduler = Scheduler(
-            self.pool,
-            self.tree,
-            default_namespace(shape.model_id, str(shape.dtype), b"", config.block_size),
-            config.token_budget,
-            config.max_running,
-            swap=self.swap,
-            tiers=self.prefix_tiers,
-        )
-        self.quant_pools: dict[str, QuantPool] = {}  # per quantizer name, made when first asked for
-        self.scheduler.release_quantized = lambda request, ids: self.quant_pools[request.kv.quant].release(ids)
-        self.runner = ModelRunner(model, self.storage, self.quant_pools, cpu_kernel=cpu_kernel)
+        self.kv = KVCacheManager.for_model(model, config, tiers)  # every byte of KV memory, and its bookkeeping
+        shape = self.kv.geometry
+        self.scheduler = Scheduler(self.kv, config.token_budget, config.max_running)
+        self.runner = ModelRunner(model, self.kv.storage, self.kv.quant_pools, cpu_kernel=cpu_kernel)
         # called with (chunks, logits [C, vocab]) after each forward: model checks compare them
         self.logits_observer = None
         self.sliding_layers = shape.sliding_layers
-        self.peak_blocks = 0  # most blocks in use at once (benchmarks report peak KV memory)
         self.steps = 0
         # for the server's timing pad (see hit_pad_seconds): recent prefill-only steps as (tokens,
         # attention pairs, cold, seconds), the cost model fitted on them (None: refit when asked),
@@ -132,15 +101,18 @@ class EngineCore:
         keys = [namespace_key] if namespace_key is None or isinstance(namespace_key, bytes) else namespace_key
         self.set_namespace_keys([default_namespace_key(keys[0]), *keys[1:]])
 
+    @property
+    def pool(self):
+        """The device block pool, for reads (`self.kv` owns it)."""
+        return self.kv.pool
+
     def set_namespace_keys(self, keys: Sequence[bytes]) -> None:
         """Rotate the namespace key: new requests' blocks are keyed with keys[0]; blocks the tiers
         hold under the others still come back (keyed anew on the device). Call it on the engine's
         thread (`AsyncEngine.call_soon`)."""
         if not keys:
             raise ValueError("set_namespace_keys needs at least one key")
-        self.scheduler.namespace_of.rekey(keys[0])
-        if self.prefix_tiers is not None:
-            self.prefix_tiers.retired_secrets = tuple(keys[1:])
+        self.kv.set_namespace_keys(keys)
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
@@ -168,11 +140,11 @@ class EngineCore:
                 f"the prompt has {prompt_tokens} tokens and asks for {max_tokens} more, "
                 f"but the model's maximum context is {self.max_positions} tokens"
             )
-        needed = -(-(prompt_tokens + max_tokens) // self.pool.block_size)
-        if needed > self.pool.num_blocks:
+        pool = self.kv.pool
+        if -(-(prompt_tokens + max_tokens) // pool.block_size) > pool.num_blocks:
             raise ContextLengthError(
                 f"the prompt has {prompt_tokens} tokens and asks for {max_tokens} more, but the KV pool holds "
-                f"{self.pool.num_blocks * self.pool.block_size} tokens in all"
+                f"{pool.num_blocks * pool.block_size} tokens in all"
             )
 
     def make_request(
@@ -188,7 +160,7 @@ class EngineCore:
         if kv is not None and kv.evicts and self.sliding_layers:
             raise ValueError("per-request KV eviction is not supported on models with sliding-window layers")
         if kv is not None and kv.quant is not None:  # caught here, not inside a batched step
-            make_quantizer(kv.quant).check_head_dim(self.storage.keys[0].shape[-1])
+            make_quantizer(kv.quant).check_head_dim(self.kv.storage.keys[0].shape[-1])
         seed = None if params.seed is None else params.seed + index
         return Request(
             list(token_ids),
@@ -199,39 +171,6 @@ class EngineCore:
             logprobs=[] if params.logprobs is not None else None,
             kv=kv if kv is not None and kv.active else None,
         )
-
-    def _quant_pool(self, name: str) -> QuantPool:
-        if name not in self.quant_pools:
-            self.quant_pools[name] = QuantPool(name, self.storage, self.cache_config.num_blocks)
-        return self.quant_pools[name]
-
-    def _quantize_settled_blocks(self) -> list:
-        """Move running requests' full private blocks outside the residual window to their
-        QuantPool. Returns [(request, error)] for requests whose quantization raised."""
-        failed = []
-        for request in list(self.scheduler.running):
-            if request.kv is None or request.kv.quant is None or request.prefilling:
-                continue
-            try:
-                self._quantize_request(request)
-            except Exception as error:  # noqa: BLE001 - that request alone fails
-                failed.append((request, error))
-        return failed
-
-    def _quantize_request(self, request: Request) -> None:
-        block = self.pool.block_size
-        quant = self._quant_pool(request.kv.quant)
-        first = max(request.reused // block, 1)  # the shared prefix and the sink block stay
-        full = (request.computed - request.kv_offset) // block
-        settled = [i for i in range(first, full - quant.residual_blocks) if request.blocks[i] >= 0]
-        if not settled:
-            return
-        ids = quant.store(self.storage, [request.blocks[i] for i in settled])
-        if ids is None:
-            return  # the quantized pool is full: the blocks stay as they are
-        self.pool.release([request.blocks[i] for i in settled])
-        for index, quantized in zip(settled, ids):
-            request.blocks[index] = -1 - quantized
 
     def add(self, request: Request) -> None:
         self.scheduler.add(request)
@@ -248,38 +187,47 @@ class EngineCore:
 
     # ---- one step ------------------------------------------------------------------------------
     def step(self) -> list[TokenEvent]:
-        tier_seconds_before = self.prefix_stats.seconds_in_tiers  # scheduling fetches, evictions spill
+        """Schedule, run one forward for every scheduled chunk, then settle memory and sample."""
+        tier_seconds = self.kv.prefix_stats.seconds_in_tiers  # scheduling fetches, evictions spill
         step = self.scheduler.schedule()
         if not step.chunks:
-            if not self.has_work:
-                return []
-            raise RuntimeError(
-                f"the engine cannot make progress: {len(self.scheduler.running)} running and "
-                f"{len(self.scheduler.waiting)} waiting requests do not fit {self.pool.num_blocks} blocks"
-            )
+            return self._idle()
         self.steps += 1
         started = time.perf_counter()
-        chunks, logits, compactions, failed = self._forward_isolating_faults(step.chunks)
+        chunks, output, failed = self._forward_isolating_faults(step.chunks)
         self._measure_prefill(chunks, time.perf_counter() - started)
         if self.logits_observer is not None:
-            self.logits_observer(chunks, logits)
-        chunk_log = [(c.request.request_id, c.request.tenant, c.start, c.end) for c in step.chunks]
-        record = StepRecord(self.steps, chunk_log)
+            self.logits_observer(chunks, output.logits)
+        record = StepRecord(self.steps, [(c.request.request_id, c.request.tenant, c.start, c.end) for c in step.chunks])
         self.step_log.append(record)
-        self.peak_blocks = max(self.peak_blocks, self.pool.stats().used)
-        for compaction in compactions:  # real bytes back to the pool
-            request = compaction.request
-            layers = range(len(self.storage.keys))
-            request.compacted_positions = torch.stack([compaction.kept_positions[layer] for layer in layers])
-            kv_tokens = request.reused + compaction.keep
-            request.kv_offset = compaction.end - kv_tokens
-            self.scheduler.shrink(request, kv_tokens)
-        failed += self._quantize_settled_blocks()
-        # a chunk that reaches its request's prefill target (the prompt, or prompt + output after a
-        # recompute) samples the next token; earlier prompt chunks only fill the cache
+        failed += self._settle_memory(output)
+        events = self._postprocess(chunks, output.logits, failed)
+        record.tier_seconds = self.kv.prefix_stats.seconds_in_tiers - tier_seconds
+        return events
+
+    def _idle(self) -> list[TokenEvent]:
+        if not self.has_work:
+            return []
+        raise RuntimeError(
+            f"the engine cannot make progress: {len(self.scheduler.running)} running and "
+            f"{len(self.scheduler.waiting)} waiting requests do not fit {self.kv.pool.num_blocks} blocks"
+        )
+
+    def _settle_memory(self, output: ForwardOutput) -> list:
+        """After the forward: the peak is recorded, evicted tokens' blocks go back to the pool and
+        settled blocks are quantized. Returns [(request, error)] for quantizations that raised."""
+        self.kv.record_peak()
+        for compaction in output.compactions:
+            self.kv.apply_compaction(compaction.request, compaction)
+        return self.kv.quantize_settled(self.scheduler.running)
+
+    def _postprocess(self, chunks, logits, failed: list) -> list[TokenEvent]:
+        """Sample after each chunk that reaches its request's prefill target (the prompt, or prompt
+        + output after a recompute; earlier prompt chunks only fill the cache), record progress,
+        and finish or fail requests."""
         rows = [index for index, chunk in enumerate(chunks) if chunk.end >= chunk.request.prefill_target]
         finishing = [chunks[index] for index in rows]
-        sampled = self._sample_isolating_faults(logits[rows], finishing, failed)
+        sampled = self._sample_isolating_faults(logits[rows] if rows else None, finishing, failed)
         for chunk in chunks:
             if chunk.end < chunk.request.prefill_target:
                 self.scheduler.complete(chunk, None)
@@ -299,7 +247,6 @@ class EngineCore:
                 request.finish_time = time.monotonic()
                 self.scheduler.finish(request)
             events.append(TokenEvent(request, token.token, reason))
-        record.tier_seconds = self.prefix_stats.seconds_in_tiers - tier_seconds_before
         return events
 
     def _measure_prefill(self, chunks, seconds: float) -> None:
@@ -378,29 +325,28 @@ class EngineCore:
         return (coefficients / scale).tolist()
 
     # ---- faults --------------------------------------------------------------------------------
-    def _forward_isolating_faults(self, chunks):
+    def _forward_isolating_faults(self, chunks) -> tuple[list, ForwardOutput, list]:
         """One forward for all chunks; if it raises, each chunk again alone, so a fault fails only
-        the requests whose chunk raises by itself. Returns (chunks, logits [C, vocab] of those
-        chunks, the compactions done, [(request, error)] of the failed)."""
+        the requests whose chunk raises by itself. Returns (the chunks computed, their
+        ForwardOutput, [(request, error)] of the failed)."""
         try:
-            logits = self.runner.forward(chunks, self._evictions(chunks))
-            return chunks, logits, list(self.runner.compactions), []
+            return chunks, self.runner.forward(chunks, self.kv.plan_compactions(chunks)), []
         except Exception as error:  # noqa: BLE001 - attributed below, or re-raised
             if len(chunks) == 1:
-                return [], None, [], [(chunks[0].request, error)]
+                return [], ForwardOutput(None, []), [(chunks[0].request, error)]
             first_error = error
-        kept, rows, compactions, failed = [], [], [], []
+        kept, outputs, failed = [], [], []
         for chunk in chunks:
             try:
-                rows.append(self.runner.forward([chunk], self._evictions([chunk])))
+                outputs.append(self.runner.forward([chunk], self.kv.plan_compactions([chunk])))
                 kept.append(chunk)
-                compactions.extend(self.runner.compactions)
             except Exception as error:  # noqa: BLE001
                 failed.append((chunk.request, error))
         if not kept:
             raise first_error  # not one request's fault: the engine itself is broken
         log.warning("a step failed; %d of %d chunks failed again alone and were cancelled", len(failed), len(chunks))
-        return kept, torch.cat(rows), compactions, failed
+        logits = torch.cat([output.logits for output in outputs])
+        return kept, ForwardOutput(logits, [c for output in outputs for c in output.compactions]), failed
 
     def _sample_isolating_faults(self, logits, finishing, failed) -> list:
         """One SampledToken per finishing chunk, or None where sampling that row raised."""
@@ -427,27 +373,6 @@ class EngineCore:
         request.error = f"internal error while computing this request: {type(error).__name__}"
         request.completion = CompletionOutput(request.index, "", list(request.output), "error", request.logprobs)
         return TokenEvent(request, -1, "error")
-
-    def _evictions(self, chunks) -> dict[int, int]:
-        """{id(chunk): tokens per head to keep} for requests whose KVSettings evict this step:
-        once when the prompt's last chunk is computed (ratio), and whenever decoding has grown
-        the private tokens a block past max_kv_tokens."""
-        plans = {}
-        for chunk in chunks:
-            request = chunk.request
-            settings = request.kv
-            if settings is None or not settings.evicts:
-                continue
-            private = chunk.end - request.kv_offset - request.reused  # private KV slots after this chunk
-            keep = private
-            if chunk.end == request.prefill_target and settings.ratio > 0:
-                keep = max(1, math.ceil(private * (1 - settings.ratio)))
-            cap = settings.max_kv_tokens
-            if cap is not None and (keep > cap + self.pool.block_size or (keep < private and keep > cap)):
-                keep = cap
-            if keep < private:
-                plans[id(chunk)] = keep
-        return plans
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.params

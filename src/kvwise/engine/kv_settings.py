@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.policies.base import Policy
 from kvwise.policies.registry import make_policy
+from kvwise.policies.selection import check_max_kv_tokens, check_ratio
 
 
 @dataclass
@@ -34,10 +35,8 @@ class KVSettings:
     scorer: Policy = field(init=False, repr=False)
 
     def __post_init__(self):
-        if not 0.0 <= self.ratio < 1.0:
-            raise ValueError(f"kv_ratio must be in [0, 1) (the fraction of KV removed), got {self.ratio}")
-        if self.max_kv_tokens is not None and self.max_kv_tokens < 1:
-            raise ValueError(f"max_kv_tokens must be >= 1, got {self.max_kv_tokens}")
+        self.ratio = check_ratio(self.ratio, "kv_ratio")
+        self.max_kv_tokens = check_max_kv_tokens(self.max_kv_tokens)
         if self.quant is not None:  # clear errors for bad names; one canonical spelling per quantizer
             quantizer = make_quantizer(self.quant)
             self.quant = None if quantizer is None else quantizer.spec

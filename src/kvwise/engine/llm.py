@@ -55,11 +55,11 @@ class LLM:
 
     @property
     def pool(self):
-        return self.engine.pool
+        return self.engine.kv.pool
 
     @property
     def tree(self):
-        return self.engine.tree
+        return self.engine.kv.tree
 
     @property
     def scheduler(self):
@@ -67,7 +67,7 @@ class LLM:
 
     @property
     def peak_blocks(self) -> int:
-        return self.engine.peak_blocks
+        return self.engine.kv.peak_blocks
 
     def generate(
         self,

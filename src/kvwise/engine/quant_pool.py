@@ -4,8 +4,8 @@ A request that asks for a quantizer keeps its shared prefix, its first block (th
 sink) and its newest `residual_length` tokens in the model's dtype; every other full private
 block moves here once its prefill is done: it is quantized whole (a KIVI key group is one block
 of one head), its full-precision block goes back to the device pool (zeroed), and the request's
-block table points at the quantized block instead (as -1 - id). Attention reads such blocks
-back through `read`; the bytes saved are real.
+block table points at the quantized block instead (`Place.QUANTIZED`). Attention reads such
+blocks back through `read`; the bytes saved are real.
 """
 
 from __future__ import annotations
@@ -16,11 +16,6 @@ from kvwise.core.block_pool import BlockPool
 from kvwise.kv.blocks import QuantizedBlocks
 from kvwise.kv.paged import PagedKVStorage
 from kvwise.kv.quantizer import make_quantizer
-
-
-def quantized_id(entry: int) -> int:
-    """The QuantPool id behind a negative block-table entry."""
-    return -1 - entry
 
 
 class QuantPool:
@@ -50,10 +45,10 @@ class QuantPool:
         if not self.pool.can_allocate(len(blocks)):
             return None
         ids = self.pool.allocate(len(blocks))
-        source = torch.tensor(blocks, device=storage.keys[0].device)
-        target = torch.tensor(ids, device=source.device)
+        target = torch.tensor(ids, device=self.device)
+        all_keys, all_values = storage.read_blocks(blocks)  # [num_layers, n, block_size, kv_heads, head_dim]
         for layer, quantized in enumerate(self.layers):
-            keys, values = storage.keys[layer].index_select(0, source), storage.values[layer].index_select(0, source)
+            keys, values = all_keys[layer], all_values[layer]
             quantized.write(target, keys, values)
             restored_keys, restored_values = quantized.read(target, self.dtype)
             self.error_sum["keys"] += _relative_error(keys, restored_keys) * len(blocks) / len(self.layers)

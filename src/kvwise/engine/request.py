@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvwise.core.radix import Node
+from kvwise.engine.block_table import BlockTable
 from kvwise.engine.sampling import SamplingParams
 
 _ids = itertools.count()
@@ -23,7 +24,7 @@ class Status(enum.Enum):
 
 @dataclass(eq=False)
 class Request:
-    """prompt: token ids; blocks: the block table (pool ids, one per block_size tokens held)."""
+    """prompt: token ids; blocks: its block table (one entry per block_size KV slots, and where it lives)."""
 
     prompt: list[int]
     params: SamplingParams = field(default_factory=SamplingParams)
@@ -38,7 +39,7 @@ class Request:
     output: list[int] = field(default_factory=list)
     computed: int = 0  # tokens whose KV is in the pool (reused prefix included)
     reused: int = 0  # of those, tokens matched in the prefix cache
-    blocks: list[int] = field(default_factory=list)
+    blocks: BlockTable = field(default_factory=BlockTable)  # written by the KVCacheManager only
     locked_nodes: list[Node] = field(default_factory=list)
     reserved: bool = False  # its first private allocation is made (whole or step by step)
     kv: Any = None  # KVSettings: its own eviction of private tokens, or None

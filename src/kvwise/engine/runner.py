@@ -4,6 +4,10 @@ All scheduled tokens (prefill chunks and decode tokens of every running request)
 model as one flat sequence with their own positions; RoPE comes from the model. The attention
 function registered as `kvwise_paged` writes each layer's new keys and values into the request's
 blocks, then lets each chunk attend over its whole sequence read back through its block table.
+The step's layout reaches it through the attention modules themselves: for the length of one
+forward, each carries the runner's `StepLayout` (`attached_step`), removed when the forward ends,
+so no state outlives a step and two runners over one model never see each other's. (Not a
+forward keyword: some families, StableLM among them, do not pass those down to attention.)
 Decode tokens: on CPU in float32, one call of the compiled kernel (kernels/paged_decode.cpp) for
 all of them, reading blocks in place; elsewhere one padded SDPA call per bucket of similar
 lengths. Prefill chunks: one SDPA call each, GQA without repeat_kv. On CPU in float32, the
@@ -14,19 +18,22 @@ small_linear kernel while the forward runs (cpu_linear.py). No model is rewritte
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
+from kvwise.engine.block_table import Place
 from kvwise.engine.compaction import Compaction
 from kvwise.engine.cpu_kernel import paged_decode_kernel, small_linear_kernel
 from kvwise.engine.cpu_linear import SmallRowLinears
-from kvwise.engine.quant_pool import QuantPool, quantized_id
+from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.scheduler import Chunk
 from kvwise.kv.paged import PagedKVStorage
 
 ATTENTION_NAME = "kvwise_paged"
+STEP_ATTRIBUTE = "_kvwise_step"  # an attention module's StepLayout during a forward
 
 
 @dataclass
@@ -64,7 +71,7 @@ class AttentionGroup:
 
 @dataclass
 class MixedBlocks:
-    """A table of device blocks and quantized ones (negative entries): where each kind goes."""
+    """A table of device blocks and quantized ones: where each kind goes."""
 
     device_slots: torch.Tensor  # [n_device] positions in the table
     device_ids: torch.Tensor  # [n_device] device block ids
@@ -99,12 +106,18 @@ class StepLayout:
     decode_kernel: object = None  # cpu_kernel.paged_decode_kernel(), for groups with `lengths`
 
 
-_current: StepLayout | None = None
+@dataclass
+class ForwardOutput:
+    """What one forward computed: logits [C, vocab] after each chunk's last token (in the order the
+    chunks were given) and the compactions done inside it (their kept positions filled in)."""
+
+    logits: torch.Tensor
+    compactions: list[Compaction]
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query: [1, num_heads, T, head_dim]; key, value: [1, num_kv_heads, T, head_dim] (flat tokens)."""
-    layout = _current
+    layout = getattr(module, STEP_ATTRIBUTE, None)
     if layout is None:
         raise RuntimeError("kvwise_paged attention runs only inside ModelRunner.forward")
     layer = module.layer_idx
@@ -151,6 +164,18 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     for compaction in layout.compactions:  # after attention: this forward's queries saw every token
         compaction.apply(storage, layer, query, scaling)
     return torch.cat(outputs)[None], None  # [1, T, heads, dim]
+
+
+@contextlib.contextmanager
+def attached_step(modules: list, layout: StepLayout) -> Iterator[None]:
+    """`layout` on each of `modules` for the duration of one forward, always removed."""
+    for module in modules:
+        setattr(module, STEP_ATTRIBUTE, layout)
+    try:
+        yield
+    finally:
+        for module in modules:
+            delattr(module, STEP_ATTRIBUTE)
 
 
 def _attend(queries, keys, values, mask, causal: bool, scaling: float | None, softcap: float | None):
@@ -202,7 +227,8 @@ class ModelRunner:
         register_paged_attention()
         model.set_attn_implementation(ATTENTION_NAME)
         self.model, self.storage, self.block_size = model, storage, storage.block_size
-        self.compactions: list[Compaction] = []
+        # the modules the attention function is called with (they know their layer_idx)
+        self.attention_modules = [module for module in model.modules() if hasattr(module, "layer_idx")]
         self.quant_pools = quant_pools if quant_pools is not None else {}
         # CUDA keeps SDPA (its fused kernels read the gathered keys fast); on CPU the kernel reads
         # blocks in place and measured 4x faster than gather + padded SDPA for a decode batch
@@ -212,13 +238,12 @@ class ModelRunner:
         self.small_row_linears = SmallRowLinears(model, linear) if linear is not None else None
 
     @torch.no_grad()
-    def forward(self, chunks: list[Chunk], compact: dict[int, int] | None = None) -> torch.Tensor:
-        """Compute the chunks' tokens; returns the logits after each chunk's last token: [C, vocab].
+    def forward(self, chunks: list[Chunk], compact: dict[int, int] | None = None) -> ForwardOutput:
+        """Compute the chunks' tokens: the logits after each chunk's last token, and the compactions.
 
         compact: {id(chunk): tokens per head to keep} for requests whose private KV is evicted in
-        this forward (their KVSettings); the Compactions done are left in `self.compactions`.
+        this forward (their KVSettings, `KVCacheManager.plan_compactions`).
         """
-        global _current
         device = self.model.device
         decodes = [c for c in chunks if c.end - c.start == 1]
         plain = [c for c in decodes if not _has_quantized(c.request)]
@@ -230,24 +255,21 @@ class ModelRunner:
         ordered = [chunk for bucket in buckets for chunk in bucket] + prefills  # the flat token order
         layout = self._layout(buckets, prefills, device)
         layout.decode_kernel = self.decode_kernel
-        layout.compactions = self.compactions = self._compactions(ordered, compact or {}, device)
+        layout.compactions = self._compactions(ordered, compact or {}, device)
         ids = torch.tensor([[t for c in ordered for t in c.request.tokens[c.start : c.end]]], device=device)
         positions = torch.tensor([[p for c in ordered for p in range(c.start, c.end)]], device=device)
         last = torch.tensor([c.end - c.start for c in ordered], device=device).cumsum(0) - 1
-        _current = layout
-        try:
-            # logits only after each chunk's last token: the LM head over every prompt token would
-            # cost a fifth of a prefill for a small-vocabulary-heavy model like SmolLM2
-            with self.small_row_linears.active() if self.small_row_linears else contextlib.nullcontext():
-                logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=last).logits
-        finally:
-            _current = None
+        # logits only after each chunk's last token: the LM head over every prompt token would
+        # cost a fifth of a prefill for a small-vocabulary-heavy model like SmolLM2
+        linears = self.small_row_linears.active() if self.small_row_linears else contextlib.nullcontext()
+        with attached_step(self.attention_modules, layout), linears:
+            logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=last).logits
         row = {id(chunk): index for index, chunk in enumerate(ordered)}
-        return logits[0, [row[id(chunk)] for chunk in chunks]]
+        return ForwardOutput(logits[0, [row[id(chunk)] for chunk in chunks]], layout.compactions)
 
     def _slot(self, request, index: int) -> int:
         """The pool slot of KV index `index` of `request`."""
-        return request.blocks[index // self.block_size] * self.block_size + index % self.block_size
+        return request.blocks.block_ids[index // self.block_size] * self.block_size + index % self.block_size
 
     def _layout(self, buckets: list[list[Chunk]], prefills: list[Chunk], device) -> StepLayout:
         ordered = [chunk for bucket in buckets for chunk in bucket] + prefills
@@ -269,7 +291,7 @@ class ModelRunner:
         table = [
             b
             for c, end in zip(chunks, ends)
-            for b in (c.request.blocks[: -(-end // block)] + [0] * max_blocks)[:max_blocks]
+            for b in (c.request.blocks.block_ids[: -(-end // block)] + [0] * max_blocks)[:max_blocks]
         ]
         ends = torch.tensor(ends, device=device)
         blocks, positions = torch.tensor(table, device=device), (ends - 1)[:, None]
@@ -289,7 +311,7 @@ class ModelRunner:
         """Queries start..end-1 over KV slots 0..end-1: causal from the top-left corner when the
         chunk starts the sequence, else shifted by `start` (a bool mask)."""
         start, end = _kv_span(chunk)
-        table = chunk.request.blocks[: -(-end // self.block_size)]
+        table = chunk.request.blocks.block_ids[: -(-end // self.block_size)]
         blocks, run = torch.tensor(table, device=device), _run_start(table)
         last = first + end - start
         query_positions = torch.arange(start, end, device=device)
@@ -304,15 +326,17 @@ class ModelRunner:
         )
 
     def _mixed(self, request, table: list[int], device) -> MixedBlocks | None:
-        if not table or min(table) >= 0:
+        """table: the request's first block ids (a prefix of its BlockTable)."""
+        places = request.blocks.places[: len(table)]
+        if Place.QUANTIZED not in places:
             return None
-        device_slots = [index for index, block in enumerate(table) if block >= 0]
-        quantized_slots = [index for index, block in enumerate(table) if block < 0]
+        device_slots = [index for index, place in enumerate(places) if place is Place.DEVICE]
+        quantized_slots = [index for index, place in enumerate(places) if place is Place.QUANTIZED]
         return MixedBlocks(
             torch.tensor(device_slots, device=device, dtype=torch.long),
             torch.tensor([table[i] for i in device_slots], device=device, dtype=torch.long),
             torch.tensor(quantized_slots, device=device),
-            torch.tensor([quantized_id(table[i]) for i in quantized_slots], device=device),
+            torch.tensor([table[i] for i in quantized_slots], device=device),
             self.quant_pools[request.kv.quant],
             len(table),
         )
@@ -348,7 +372,7 @@ class ModelRunner:
 
 
 def _has_quantized(request) -> bool:
-    return request.kv is not None and request.kv.quant is not None and bool(request.blocks) and min(request.blocks) < 0
+    return request.kv is not None and request.kv.quant is not None and Place.QUANTIZED in request.blocks.places
 
 
 def _kv_span(chunk: Chunk) -> tuple[int, int]:

@@ -12,26 +12,21 @@ steps in a row goes first, so a long prompt cannot be starved by a stream of sho
 Running slots go round the tenants: the next admission is a request of the tenant running the
 fewest, so one tenant's burst cannot hold every slot while another's requests wait.
 
-Memory is checked before it is taken. When a step cannot get the blocks it needs, the prefix
-cache gives up unlocked blocks first; if that is not enough, the most recently admitted running
-request is preempted: its blocks are released and it goes back to the front of the queue to be
-recomputed (its cached prefix usually survives in the tree), or, with a host swap space, its
-blocks are copied to host memory and copied back when it runs again.
+Memory belongs to the `KVCacheManager`: the scheduler asks it first (`can_allocate`,
+`can_swap_out`, `can_swap_in`) and then acts. When a step cannot get the blocks it needs (the
+manager has already given up unlocked cached prefixes), the most recently admitted running
+request is preempted: it goes back to the front of the queue, its blocks copied to host memory
+when the swap space has room (it resumes where it stopped), otherwise released to be recomputed
+(its cached prefix usually survives in the tree).
 """
 
 from __future__ import annotations
 
-import logging
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvwise.core.block_pool import BlockPool
-from kvwise.core.hashing import Namespace, SegmentedNamespace
-from kvwise.core.radix import RadixCache
+from kvwise.engine.kv_manager import KVCacheManager
 from kvwise.engine.request import Request, Status
-from kvwise.kv.prefix_tiers import PrefixTiers
-
-log = logging.getLogger("kvwise.engine")
 
 
 @dataclass
@@ -58,36 +53,25 @@ class Step:
         return sum(chunk.end - chunk.start for chunk in self.chunks)
 
 
-PLENTY_FREE_FRACTION = 0.25  # whole-request reservations stop when fewer blocks than this stay free
 STARVATION_STEPS = 8  # a prefill that got no tokens this many steps in a row is served first
 
 
 class Scheduler:
     def __init__(
         self,
-        pool: BlockPool,
-        tree: RadixCache | None,
-        namespace_of,
+        kv: KVCacheManager,
         token_budget: int = 512,
         max_running: int = 64,
         fcfs_queue_length: int = 32,
-        swap=None,
-        tiers: PrefixTiers | None = None,
     ):
-        """namespace_of(request) -> Namespace: the request's prefix namespace (tenant, model, format).
-        tiers: where the tree's evicted blocks went; an admitted prompt's cached prefix continues there."""
+        """kv: the KV memory every decision here asks first (blocks, prefix cache, swap)."""
         if token_budget < 1 or max_running < 1:
             raise ValueError("token_budget and max_running must be positive")
-        self.pool, self.tree, self.namespace_of = pool, tree, namespace_of
-        self.block_size = pool.block_size
+        self.kv = kv
         self.token_budget, self.max_running, self.fcfs_queue_length = token_budget, max_running, fcfs_queue_length
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
-        self.swap = swap  # HostSwap: preempt by spilling to host memory (None: always recompute)
-        self.tiers = tiers
-        self.recomputed_blocks = 0  # device blocks dropped by recompute preemptions
-        self.release_quantized = None  # callable(request, quantized ids), set by the engine
         self.on_admit: list = []  # callables(request), when it is admitted with its cached prefix matched (metrics)
 
     # ---- queue ---------------------------------------------------------------------------------
@@ -98,21 +82,16 @@ class Scheduler:
         """Stop a request wherever it is and free what it holds."""
         if request in self.waiting:
             self.waiting.remove(request)
-        if request.swapped is not None:
-            self.swap.drop(request.swapped)
-            request.swapped = None
         if request in self.running:
             self.running.remove(request)
-            self._release(request)
+        self.kv.free(request)
         request.status = Status.CANCELLED
 
     def finish(self, request: Request) -> None:
         """A finished request's full prompt blocks go to the prefix cache, then its blocks are released."""
         self.running.remove(request)
-        if self.tree is not None and not self._compresses(request):
-            full = request.computed // self.block_size * self.block_size
-            self._insert(request, request.tokens[:full])
-        self._release(request)
+        self.kv.cache_prompt(request, request.computed)
+        self.kv.free(request)
         request.status = Status.FINISHED
 
     # ---- one step ------------------------------------------------------------------------------
@@ -195,13 +174,11 @@ class Scheduler:
     @staticmethod
     def _prefill_order(requests: list[Request]) -> list[Request]:
         """Starving prefills first, then shortest remaining first (ties: running order)."""
-        return sorted(
-            requests, key=lambda r: (r.skipped_steps < STARVATION_STEPS, r.prefill_target - r.computed)
-        )
+        return sorted(requests, key=lambda r: (r.skipped_steps < STARVATION_STEPS, r.prefill_target - r.computed))
 
     def _unadmit(self, request: Request) -> None:
         self.running.remove(request)
-        self._release(request)
+        self.kv.free(request)
         request.computed = request.reused = 0
         request.status = Status.WAITING
         self.waiting.appendleft(request)
@@ -212,21 +189,10 @@ class Scheduler:
         request.computed = chunk.end
         if token is not None and not request.prefilling:
             request.output.append(token)
-        if self.tree is not None and chunk.start < len(request.prompt) and not self._compresses(request):
+        if chunk.start < len(request.prompt):
             # cache prompt blocks as soon as they are computed, so requests running at the same
             # time share them (as vLLM and SGLang do), not only those that come after this one ends
-            full = min(chunk.end, len(request.prompt)) // self.block_size * self.block_size
-            self._insert(request, request.prompt[:full])
-
-    def _insert(self, request: Request, tokens: list[int]) -> None:
-        """Cache a request's computed full blocks; a key that may only read the shared namespace
-        caches nothing while its shared segment is not published there already."""
-        namespace = self.namespace_of(request)
-        segment = request.shared_prefix_tokens // self.block_size * self.block_size
-        if segment and not request.may_publish_shared:
-            if self.tree.match_prefix(tokens[:segment], namespace, touch=False).length < min(segment, len(tokens)):
-                return
-        self.tree.insert(tokens, request.blocks, namespace)
+            self.kv.cache_prompt(request, min(chunk.end, len(request.prompt)))
 
     def _schedule_prefill(self, request: Request, budget: int, step: Step) -> int:
         if budget == 0 or request not in self.running:
@@ -234,8 +200,7 @@ class Scheduler:
         end = min(request.prefill_target, request.computed + budget)
         if end > request.computed and not self._reserve(request, end, step):
             # a shorter chunk in the blocks that are free (the prefix cache gave up what it could)
-            room = (len(request.blocks) + self.pool.num_free) * self.block_size + request.kv_offset
-            end = min(end, room)
+            end = min(end, self.kv.fit_tokens(request))
             if end <= request.computed or not self._reserve(request, end, step):
                 return budget
         if end > request.computed:
@@ -249,15 +214,12 @@ class Scheduler:
         if self.waiting[0].preemptions:
             return self.waiting.popleft()
         candidates = self._fair_candidates()
-        if self.tree is None or len(self.waiting) > self.fcfs_queue_length:
+        if not self.kv.prefix_caching or len(self.waiting) > self.fcfs_queue_length:
             best = candidates[0]
         else:
-            best = max(candidates, key=self._cached_length)
+            best = max(candidates, key=self.kv.cached_length)
         self.waiting.remove(best)
         return best
-
-    def _cached_length(self, request: Request) -> int:
-        return self.tree.match_prefix(request.prompt[:-1], self.namespace_of(request), touch=False).length
 
     def _fair_candidates(self) -> list[Request]:
         """Waiting requests of the tenants with the fewest running requests, in queue order: running
@@ -270,90 +232,28 @@ class Scheduler:
 
     def _admit(self, request: Request) -> None:
         request.status = Status.RUNNING
-        if self.tree is not None:
-            namespace = self.namespace_of(request)
-            match = self.tree.match_prefix(request.prompt[:-1], namespace)
-            if self.tiers is not None and self._promote(request, namespace, match):
-                match = self.tree.match_prefix(request.prompt[:-1], namespace)
-            self.tree.lock(match.nodes)
-            self.pool.incref(match.blocks)
-            request.locked_nodes, request.blocks = match.nodes, match.blocks
-            request.computed = request.reused = match.length
+        request.computed = self.kv.match(request)
         self.running.append(request)
-
-    def _promote(self, request: Request, namespace, match) -> bool:
-        """Continue the prompt's device match in the tiers; True when blocks came back. Only free
-        blocks and the prefix cache's own make room: promotion never preempts anyone."""
-        usable = (len(request.prompt) - 1) // self.block_size
-        if len(match.nodes) >= usable:
-            return False
-        self.tree.lock(match.nodes)  # making room must not evict the prefix being continued
-        try:
-            return bool(self.tiers.promote(request.prompt, namespace, len(match.nodes), usable, self._room_for))
-        finally:
-            self.tree.unlock(match.nodes)
-
-    def _room_for(self, count: int) -> int:
-        if not self.pool.can_allocate(count):
-            self.tree.evict(count - self.pool.num_free)
-        return min(count, self.pool.num_free)
 
     # ---- memory ------------------------------------------------------------------------------
     def _reserve(self, request: Request, tokens: int, step: Step, may_preempt: bool = False) -> bool:
-        """Blocks for `tokens` tokens of `request`: evicts cached prefixes, then (for requests
-        already decoding, never to admit a newcomer) preempts the most recently admitted one."""
-        needed = -(-(tokens - request.kv_offset) // self.block_size) - len(request.blocks)
-        if needed <= 0:
-            return True
-        while not self.pool.can_allocate(needed):
-            # cached prefixes first (a preempted request's prompt blocks are cached, so they go too)
-            if self.tree is not None:
-                self.tree.evict(needed - self.pool.num_free)
-                if self.pool.can_allocate(needed):
-                    break
+        """Blocks for `tokens` tokens of `request`: the manager evicts cached prefixes, then (for
+        requests already decoding, never to admit a newcomer) the most recently admitted running
+        request is preempted."""
+        while not self.kv.can_allocate(request, tokens):
             victim = next((r for r in reversed(self.running) if r is not request), None) if may_preempt else None
             if victim is None:
                 return False
             self._preempt(victim, step)
-        if not request.reserved and self._reserve_whole(request):
-            return True
-        request.reserved = True
-        request.blocks += self.pool.allocate(needed)
-        return True
-
-    def _reserve_whole(self, request: Request) -> bool:
-        """While memory is plentiful, a request's first allocation takes consecutive blocks for
-        all its tokens (prompt + max_tokens): the CPU runner then reads its KV as one slice of
-        the pool instead of gathering blocks every layer and step. Under pressure, or without a
-        long enough free run, blocks come one step's need at a time."""
-        request.reserved = True
-        total = -(-(len(request.prompt) + request.params.max_tokens) // self.block_size) - len(request.blocks)
-        if self.pool.num_free - total < self.pool.num_blocks * PLENTY_FREE_FRACTION:
-            return False
-        run = self.pool.allocate_contiguous(total)
-        if run is None:
-            return False
-        request.blocks += run
+        self.kv.allocate(request, tokens)
         return True
 
     def _preempt(self, request: Request, step: Step) -> None:
         """Spill the request's KV to host memory when the swap space has room (it resumes where it
         stopped); otherwise drop it and recompute prompt and output later (the output is kept)."""
-        swappable = request.blocks and min(request.blocks) >= 0  # quantized blocks are recomputed
-        swapped = None
-        if self.swap is not None and swappable and self.swap.can_hold(len(request.blocks)):
-            try:  # copied before anything changes: a failed copy leaves no block or lock behind
-                swapped = self.swap.swap_out(request.blocks)
-            except Exception:  # noqa: BLE001 - host memory refused: recompute instead
-                log.exception("swapping out %s failed; it will be recomputed", request.request_id)
         self.running.remove(request)
-        if swapped is not None:
-            request.swapped = swapped
-            self._release(request)
-            request.reserved = True
-        else:
-            self.recomputed_blocks += len(request.blocks)
-            self._release(request)
+        if not (self.kv.can_swap_out(request) and self.kv.swap_out(request)):
+            self.kv.free(request, recompute=True)
             self._reset_for_recompute(request)
         request.status = Status.WAITING
         request.preemptions += 1
@@ -364,84 +264,19 @@ class Scheduler:
         step.prefills = [chunk for chunk in step.prefills if chunk.request is not request]
 
     def _swap_in(self, request: Request) -> bool:
-        needed = request.swapped.num_blocks
-        if not self.pool.can_allocate(needed) and self.tree is not None:
-            self.tree.evict(needed - self.pool.num_free)
-        if not self.pool.can_allocate(needed):
+        """False when its blocks cannot be had yet; True when it left the swap: running again, or
+        (the copy failed) waiting to be recomputed."""
+        if not self.kv.can_swap_in(request):
             return False
-        request.blocks = self.pool.allocate(needed)
-        try:
-            self.swap.swap_in(request.swapped, request.blocks)
-        except Exception:  # noqa: BLE001 - give the blocks back and recompute it instead
-            log.exception("swapping in %s failed; it will be recomputed", request.request_id)
-            self.pool.release(request.blocks)
-            self.recomputed_blocks += len(request.blocks)
-            request.blocks = []
-            self.swap.drop(request.swapped)
-            request.swapped, request.reserved = None, False
+        if self.kv.swap_in(request):
+            request.status = Status.RUNNING
+            self.running.append(request)
+        else:
             self._reset_for_recompute(request)
-            return True  # taken off the swap: admitted now as a recompute
-        request.swapped, request.status = None, Status.RUNNING
-        self.running.append(request)
         return True
 
     @staticmethod
     def _reset_for_recompute(request: Request) -> None:
         """Its KV is gone: compute prompt and output again when admitted (the output is kept)."""
-        request.computed = request.reused = request.kv_offset = 0
-        request.compacted_positions = None
+        request.computed = request.reused = 0
         request.recompute_to = len(request.tokens) if request.output else None
-
-    def shrink(self, request: Request, kv_tokens: int) -> None:
-        """Give back the blocks past a request's first `kv_tokens` KV slots (after its eviction)."""
-        keep = -(-kv_tokens // self.block_size)
-        if keep < len(request.blocks):
-            self._give_back(request, request.blocks[keep:])
-            request.blocks = request.blocks[:keep]
-
-    @staticmethod
-    def _compresses(request: Request) -> bool:
-        """Its private blocks hold its own compressed state: never cache them as the prompt's."""
-        return request.kv is not None and request.kv.active
-
-    def _release(self, request: Request) -> None:
-        request.reserved = False
-        if self.tree is not None and request.locked_nodes:
-            self.tree.unlock(request.locked_nodes)
-        if request.blocks:
-            self._give_back(request, request.blocks)
-        request.blocks, request.locked_nodes = [], []
-
-    def _give_back(self, request: Request, blocks: list[int]) -> None:
-        """Release device blocks, and quantized ones (negative table entries) to their QuantPool."""
-        device = [block for block in blocks if block >= 0]
-        if device:
-            self.pool.release(device)
-        if len(device) < len(blocks):
-            self.release_quantized(request, [-1 - block for block in blocks if block < 0])
-
-
-class TenantNamespaces:
-    """namespace_of for a scheduler: each request's own tenant's namespace, keyed with the server's
-    secret, with its marked leading segment (whole blocks of it) in the shared namespace.
-
-    A request's namespace is fixed the first time it is asked for, so a key rotation (`rekey`)
-    changes the identity of new requests only: a running request inserts its blocks under the
-    keys it matched them with."""
-
-    def __init__(self, model_id: str, kv_format: str = "", secret: bytes = b"", block_size: int = 16):
-        self.model_id, self.kv_format, self.block_size = model_id, kv_format, block_size
-        self.secret = secret
-
-    def rekey(self, secret: bytes) -> None:
-        self.secret = secret  # one assignment: a request built concurrently gets the old or the new
-
-    def __call__(self, request) -> Namespace | SegmentedNamespace:
-        if request.namespace is None:
-            own = Namespace(self.model_id, request.tenant, self.kv_format, self.secret)
-            request.namespace = own.with_shared_prefix(request.shared_prefix_tokens // self.block_size)
-        return request.namespace
-
-
-def default_namespace(model_id: str, kv_format: str = "", secret: bytes = b"", block_size: int = 16):
-    return TenantNamespaces(model_id, kv_format, secret, block_size)

@@ -47,10 +47,8 @@ class HostSwap:
 
     def swap_out(self, blocks: list[int]) -> SwappedKV:
         """Copy `blocks` to host memory (the caller then releases them, which zeroes them)."""
-        index = torch.tensor(blocks, device=self.storage.keys[0].device)
         copies = []
-        for layers in (self.storage.keys, self.storage.values):
-            gathered = torch.stack([layer.index_select(0, index) for layer in layers])
+        for gathered in self.storage.read_blocks(blocks):  # [num_layers, n, block_size, kv_heads, head_dim]
             host = gathered.to("cpu")
             if self._pin:
                 pinned = host.pin_memory()
@@ -66,12 +64,8 @@ class HostSwap:
 
     def swap_in(self, swapped: SwappedKV, blocks: list[int]) -> None:
         """Write a swapped request's KV into freshly allocated `blocks` and free the host copy."""
-        device = self.storage.keys[0].device
-        index = torch.tensor(blocks, device=device)
-        for layer in range(len(self.storage.keys)):
-            # blocking copies: drop() zeroes the host copy next, which must not race a pending transfer
-            self.storage.keys[layer].index_copy_(0, index, swapped.keys[layer].to(device))
-            self.storage.values[layer].index_copy_(0, index, swapped.values[layer].to(device))
+        # blocking copies: drop() zeroes the host copy next, which must not race a pending transfer
+        self.storage.write_blocks(blocks, swapped.keys, swapped.values)
         self.drop(swapped)
         self.swapped_in_blocks += len(blocks)
 

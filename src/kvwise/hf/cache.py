@@ -10,16 +10,10 @@ from kvwise.hf.geometry import kv_geometry
 from kvwise.hf.layer import CompressingLayer
 from kvwise.hf.rope import query_rotator
 from kvwise.kv.quantizer import Quantizer, make_quantizer
-from kvwise.policies.base import PROTECTED, Policy, keep_top_across, keep_top_per_head, split_budget
+from kvwise.policies import selection
+from kvwise.policies.base import Policy
 from kvwise.policies.registry import make_policy
 from kvwise.policies.scoring_input import ScoringInput
-
-
-def check_ratio(compression_ratio: float) -> float:
-    ratio = float(compression_ratio)
-    if not 0.0 <= ratio < 1.0:
-        raise ValueError(f"compression_ratio must be in [0, 1) (the fraction of KV removed), got {compression_ratio}")
-    return ratio
 
 
 def full_kv_bytes(model, num_tokens: int, bytes_per_value: int) -> int:
@@ -69,15 +63,13 @@ class KVWiseCache(Cache):
         error_probe_every: int = 4,
         **policy_kwargs,
     ):
-        self.compression_ratio = check_ratio(compression_ratio)
+        self.compression_ratio = selection.check_ratio(compression_ratio)
         self.quantizer = make_quantizer(quant)
         if int(error_probe_every) < 1:
             raise ValueError(f"error_probe_every must be a positive integer, got {error_probe_every}")
         self.error_probe_every = int(error_probe_every)
         self.quantization_deferred = False
-        if max_kv_tokens is not None and int(max_kv_tokens) < 1:
-            raise ValueError(f"max_kv_tokens must be a positive integer, got {max_kv_tokens}")
-        self.max_kv_tokens = None if max_kv_tokens is None else int(max_kv_tokens)
+        self.max_kv_tokens = selection.check_max_kv_tokens(max_kv_tokens)
         self.policy = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy
         self.model = model
         self.tokenizer = tokenizer
@@ -128,34 +120,19 @@ class KVWiseCache(Cache):
 
     def head_budgets(self, layer: CompressingLayer, valid: torch.Tensor) -> torch.Tensor:
         """Tokens per head for `layer` at prefill: [batch] int64. The total over layers is exact."""
-        num_valid = valid[:, 0].sum(dim=-1)  # every head sees the same prefill tokens
-        rank, num_layers = self._layer_rank[id(layer)], self.num_compressing_layers
-        weights = [self.policy.layer_budget(index, num_layers, 1.0) for index in range(num_layers)]
-        budgets = []
-        for count in num_valid.tolist():
-            per_head = max(1, round((1.0 - self.compression_ratio) * count))
-            budgets.append(split_budget(per_head * num_layers, weights)[rank])
+        num_valid = valid[:, 0].sum(dim=-1).tolist()  # every head sees the same prefill tokens
+        rank, num_layers = self._layer_rank[id(layer)], len(self.compressing_layers)
+        budgets = selection.head_budgets(self.policy, self.compression_ratio, num_valid, rank, num_layers)
         return torch.tensor(budgets, device=valid.device)
 
     def select_for_layer(self, layer: CompressingLayer, scoring: ScoringInput) -> torch.Tensor:
         """Keep mask [batch, num_kv_heads, seq_len] for a layer's prefill."""
         budgets = self.head_budgets(layer, scoring.valid)
         scoring.budget, scoring.row_budgets = int(budgets.max()), budgets
-        scope = self.policy.budget_scope
-        if scope == "global":
+        if self.policy.budget_scope == "global":
             layer.context_scores = self.policy.score(scoring).float()
             return scoring.valid
-        scores = self.policy.score(scoring)
-        if scope == "layer":
-            total = budgets * scoring.num_kv_heads
-            return keep_top_across(
-                scores,
-                scoring.valid,
-                total,
-                self.policy.head_floor(scoring.budget),
-                self.policy.head_ceiling(scoring.budget),
-            )
-        return keep_top_per_head(scores, scoring.valid, budgets[:, None].expand(-1, scoring.num_kv_heads))
+        return selection.select_in_layer(self.policy, self.policy.score(scoring), scoring, budgets)
 
     def decode_scores(self, scoring: ScoringInput) -> torch.Tensor:
         scoring.budget = self.max_kv_tokens
@@ -173,18 +150,7 @@ class KVWiseCache(Cache):
             raise RuntimeError("global selection needs scores from every compressing layer")
         valid = torch.stack([layer.padded()[2] for layer in layers], dim=1)  # [batch, layers, heads, seq]
         scores = torch.stack([layer.context_scores for layer in layers], dim=1)
-        batch, num_layers, num_heads, seq_len = valid.shape
-        per_head = ((1.0 - self.compression_ratio) * valid[:, 0, 0].sum(dim=-1).float()).round().clamp(min=1)
-        total = per_head.long() * num_layers * num_heads
-        if self.policy.shared_fraction > 0:
-            scores = with_shared_tokens(scores, valid, (self.policy.shared_fraction * per_head).round().long())
-        keep = keep_top_across(
-            scores.reshape(batch, num_layers * num_heads, seq_len),
-            valid.reshape(batch, num_layers * num_heads, seq_len),
-            total,
-            self.policy.head_floor(int(per_head.max())),
-            self.policy.head_ceiling(int(per_head.max())),
-        ).view(batch, num_layers, num_heads, seq_len)
+        keep = selection.select_across_layers(self.policy, self.compression_ratio, scores, valid)
         for index, layer in enumerate(layers):
             layer.apply_keep(keep[:, index])
             layer.context_scores = None
@@ -291,23 +257,3 @@ class KVWiseCache(Cache):
     def bytes_read_last_step(self) -> int:
         """KV bytes the last forward read from the full-attention layers (Quest reads fewer)."""
         return sum(layer.bytes_read_last_step for layer in self.compressing_layers)
-
-
-def with_shared_tokens(scores: torch.Tensor, valid: torch.Tensor, num_shared: torch.Tensor) -> torch.Tensor:
-    """Protect, in every head of every layer, the tokens most heads rate highly.
-
-    Each head's scores are scaled by its own maximum (sinks aside), averaged over all heads, and the
-    `num_shared[b]` best tokens are protected everywhere; the rest of the budget stays global.
-
-    Args:
-        scores: [batch, num_layers, num_heads, seq_len]; PROTECTED marks tokens that must stay.
-        valid: [batch, num_layers, num_heads, seq_len] bool.
-        num_shared: [batch] int.
-    """
-    protected = scores >= PROTECTED / 2
-    plain = scores.masked_fill(protected | ~valid, 0.0)
-    normalized = plain / plain.amax(dim=-1, keepdim=True).clamp(min=1e-9)
-    consensus = normalized.mean(dim=(1, 2))  # [batch, seq_len]
-    everywhere = valid.all(dim=(1, 2))
-    chosen = keep_top_per_head(consensus[:, None], everywhere[:, None], num_shared[:, None])[:, 0]
-    return scores.masked_fill(chosen[:, None, None, :] & valid, PROTECTED)

@@ -17,18 +17,18 @@ when freed. Keys chain the block's tokens, the model, the tenant and the KV dtyp
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 from transformers import DynamicCache
 
 from kvwise.core.block_pool import BlockPool
-from kvwise.core.hashing import Namespace, chain_keys
+from kvwise.core.hashing import Namespace
 from kvwise.core.radix import RadixCache
 from kvwise.core.secret_keys import namespace_key as default_namespace_key
 from kvwise.hf.geometry import kv_geometry, paged_storage_for
-from kvwise.kv.prefix_tiers import PrefixTiers, ReuseStats
 from kvwise.tiers.base import Tier
+from kvwise.tiers.prefix_tiers import PrefixTiers, ReuseStats
 
 __all__ = ["PrefixReuse", "ReuseStats"]
 
@@ -68,7 +68,6 @@ class PrefixReuse:
         self.stats = ReuseStats()
         self.tiered = PrefixTiers(self.tiers, self.storage, self.pool, self.tree, self.stats)
         self.tree.on_evict = self.tiered.spill
-        self._prefetcher: ThreadPoolExecutor | None = None
 
     # ---- the one-call API ------------------------------------------------------------------------
     @torch.no_grad()
@@ -91,13 +90,8 @@ class PrefixReuse:
         usable_blocks = (len(tokens) - 1) // self.block_size
         self.stats.queries_tokens += usable_blocks * self.block_size
         match = self.tree.match_prefix(tokens[: usable_blocks * self.block_size], self.namespace)
-        nodes = list(match.nodes)
-        self.stats.hits_tokens["device"] += len(nodes) * self.block_size
-        self.tree.lock(nodes)  # nothing we are about to read may be evicted while promoting
-        try:
-            nodes += self.tiered.promote(tokens, self.namespace, len(nodes), usable_blocks, self._room_for)
-        finally:
-            self.tree.unlock(match.nodes)
+        self.stats.hits_tokens["device"] += len(match.nodes) * self.block_size
+        nodes = match.nodes + self.tiered.extend(tokens, self.namespace, match, usable_blocks)
         cache = DynamicCache(config=self.model.config)
         if nodes:
             table = torch.tensor([node.block for node in nodes], device=self.model.device)
@@ -143,31 +137,9 @@ class PrefixReuse:
         """Start pulling the blocks of `input_ids`' cached prefix that sit in slow tiers (disk,
         Redis) up into the first tier (host RAM), in a background thread, so the request's
         `prefill_cache` finds them there. Returns a Future of the number of blocks moved."""
-        if self._prefetcher is None:
-            self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwise-prefetch")
-        tokens = input_ids[0].tolist()
-        return self._prefetcher.submit(self._prefetch_blocks, tokens)
-
-    def _prefetch_blocks(self, tokens: list[int]) -> int:
-        if len(self.tiers) < 2:
-            return 0
-        usable_blocks = (len(tokens) - 1) // self.block_size
-        keys = chain_keys(tokens[: usable_blocks * self.block_size], self.block_size, self.namespace)
-        near, moved = self.tiers[0], 0
-        for key in keys:
-            if near.exists(key):
-                continue
-            found = next((block for block in (tier.get(key) for tier in self.tiers[1:]) if block is not None), None)
-            if found is None or not near.put(key, found):
-                break  # a prefix ends at its first missing block
-            moved += 1
-        return moved
+        return self.tiered.prefetch(input_ids[0].tolist(), self.namespace)
 
     # ---- internals -------------------------------------------------------------------------------
-    def _room_for(self, count: int) -> int:
-        """Blocks, up to `count`, that can be allocated after evicting cached prefixes."""
-        return count if self._make_room(count) else min(count, self.pool.num_free)
-
     def _make_room(self, count: int) -> bool:
         if not self.pool.can_allocate(count):
             self.tree.evict(count - self.pool.num_free)

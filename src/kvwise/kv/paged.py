@@ -3,9 +3,11 @@
     keys[layer], values[layer]: [num_blocks, block_size, num_kv_heads, head_dim] on the model's device
 
 A token lives at slot `block * block_size + offset`; a sequence reads its blocks through a block
-table. Block ids come from `core.BlockPool`; `attach(pool)` registers `zero` as the pool's release
-hook, so a block's keys and values are overwritten with zeros in the same call that drops its
-last reference, before the pool can hand it to anyone else (another request or tenant).
+table. Whole blocks move through one API, `read_blocks` / `write_blocks` (host swap, the prefix
+tiers and the quantized pool all use it). Block ids come from `core.BlockPool`; `attach(pool)`
+registers `zero` as the pool's release hook, so a block's keys and values are overwritten with
+zeros in the same call that drops its last reference, before the pool can hand it to anyone else
+(another request or tenant).
 """
 
 from __future__ import annotations
@@ -41,6 +43,23 @@ class PagedKVStorage:
         """Store tokens. slots: [n] int64 (block * block_size + offset); keys, values: [n, num_kv_heads, head_dim]."""
         self.keys[layer].view(-1, *keys.shape[1:])[slots] = keys
         self.values[layer].view(-1, *values.shape[1:])[slots] = values
+
+    def read_blocks(self, block_ids: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copies of whole blocks of every layer: keys, values [num_layers, n, block_size, num_kv_heads, head_dim]."""
+        index = torch.as_tensor(block_ids, dtype=torch.long, device=self.keys[0].device)
+        return (
+            torch.stack([layer.index_select(0, index) for layer in self.keys]),
+            torch.stack([layer.index_select(0, index) for layer in self.values]),
+        )
+
+    def write_blocks(self, block_ids: list[int] | torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Overwrite whole blocks of every layer. keys, values: [num_layers, n, block_size, num_kv_heads,
+        head_dim] on any device, copied layer by layer (blocking: a host source may be reused at once)."""
+        device = self.keys[0].device
+        index = torch.as_tensor(block_ids, dtype=torch.long, device=device)
+        for layer in range(len(self.keys)):
+            self.keys[layer].index_copy_(0, index, keys[layer].to(device))
+            self.values[layer].index_copy_(0, index, values[layer].to(device))
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's blocks in order: keys, values [len(block_table) * block_size, num_kv_heads, head_dim]."""

@@ -102,31 +102,26 @@ class ServerMetrics:
 
 
 class _StateCollector:
-    """Gauges read from the engine at scrape time (reads of ints; safe from another thread)."""
+    """Gauges read at scrape time: KV memory from `KVCacheManager.stats()`, the queue from the
+    scheduler (reads of ints; safe from another thread)."""
 
     def __init__(self, core: EngineCore):
         self.core = core
-        self.block_bytes = core.storage.nbytes() // core.pool.num_blocks
 
     def collect(self):
-        core, stats = self.core, self.core.pool.stats()
-        cached = len(core.tree) if core.tree is not None else 0
+        kv, scheduler = self.core.kv.stats(), self.core.scheduler
         usage = GaugeMetricFamily("kvwise_kv_usage_bytes", "KV bytes in use, per tier", labels=["tier"])
-        usage.add_metric(["device"], stats.used * self.block_bytes)
+        usage.add_metric(["device"], kv.used_bytes)
         capacity = GaugeMetricFamily("kvwise_kv_capacity_bytes", "KV bytes available, per tier", labels=["tier"])
-        capacity.add_metric(["device"], stats.total * self.block_bytes)
-        swap, evicted = core.swap, core.tree.evictions if core.tree is not None else 0
-        spilled = swap.swapped_out_blocks if swap is not None else 0
-        if swap is not None:
-            usage.add_metric(["host"], swap.used_bytes)
-            capacity.add_metric(["host"], swap.capacity_bytes)
-        tiers = core.prefix_tiers.tiers if core.prefix_tiers is not None else []
-        for tier in tiers:  # where evicted prefix blocks went
-            usage.add_metric([f"prefix_{tier.name}"], tier.stats.bytes_held)
-            if getattr(tier, "capacity_bytes", None) is not None:
+        capacity.add_metric(["device"], kv.capacity_bytes)
+        if kv.swap_used_bytes is not None:
+            usage.add_metric(["host"], kv.swap_used_bytes)
+            capacity.add_metric(["host"], kv.swap_capacity_bytes)
+        for tier in kv.tiers:  # where evicted prefix blocks went
+            usage.add_metric([f"prefix_{tier.name}"], tier.bytes_held)
+            if tier.capacity_bytes is not None:
                 capacity.add_metric([f"prefix_{tier.name}"], tier.capacity_bytes)
-        quantized = sum(pool.used_bytes() for pool in list(core.quant_pools.values()))
-        usage.add_metric(["device_quantized"], quantized)
+        usage.add_metric(["device_quantized"], kv.quantized_bytes)
         yield usage
         yield capacity
         error = GaugeMetricFamily(
@@ -134,16 +129,14 @@ class _StateCollector:
             "Mean relative reconstruction error of the blocks stored quantized, per quantizer",
             labels=["quantizer", "part"],
         )
-        for name, pool in list(core.quant_pools.items()):
-            error.add_metric([name, "keys"], pool.mean_error("keys"))
-            error.add_metric([name, "values"], pool.mean_error("values"))
+        for name, (keys, values) in kv.quantization_errors.items():
+            error.add_metric([name, "keys"], keys)
+            error.add_metric([name, "values"], values)
         yield error
-        given_up = spilled + core.scheduler.recomputed_blocks + evicted
-        kept = spilled + core.prefix_stats.spilled_blocks
         yield GaugeMetricFamily(
             "kvwise_spill_ratio",
             "Of the device blocks given up (preemption, prefix-cache eviction), the share kept on a lower tier",
-            value=kept / given_up if given_up else 0.0,
+            value=kv.spill_ratio,
         )
         tier_hits = CounterMetricFamily(
             "kvwise_prefix_cache_tier_hits_tokens",
@@ -153,29 +146,29 @@ class _StateCollector:
         tier_errors = CounterMetricFamily(
             "kvwise_prefix_tier_errors", "Lower-tier failures (the block is recomputed)", labels=["tier", "kind"]
         )
-        for tier in tiers:
-            tier_hits.add_metric([tier.name], core.prefix_stats.hits_tokens[tier.name])
-            tier_errors.add_metric([tier.name, "corrupt"], tier.stats.corrupt)
-            tier_errors.add_metric([tier.name, "unavailable"], tier.stats.errors)
+        for tier in kv.tiers:
+            tier_hits.add_metric([tier.name], tier.hits_tokens)
+            tier_errors.add_metric([tier.name, "corrupt"], tier.corrupt)
+            tier_errors.add_metric([tier.name, "unavailable"], tier.errors)
         yield tier_hits
         yield tier_errors
         swapped = CounterMetricFamily("kvwise_swapped_blocks", "Blocks copied between tiers", labels=["direction"])
-        swapped.add_metric(["out"], spilled)
-        swapped.add_metric(["in"], swap.swapped_in_blocks if swap is not None else 0)
+        swapped.add_metric(["out"], kv.swapped_out_blocks)
+        swapped.add_metric(["in"], kv.swapped_in_blocks)
         yield swapped
         blocks = GaugeMetricFamily("kvwise_kv_blocks", "Device KV blocks by state", labels=["state"])
-        blocks.add_metric(["free"], stats.free)
-        blocks.add_metric(["used"], stats.used)
-        blocks.add_metric(["prefix_cached"], cached)
+        blocks.add_metric(["free"], kv.free_blocks)
+        blocks.add_metric(["used"], kv.used_blocks)
+        blocks.add_metric(["prefix_cached"], kv.prefix_cached_blocks)
         yield blocks
         evictions = CounterMetricFamily("kvwise_prefix_cache_evictions_blocks", "Blocks evicted from the prefix cache")
-        evictions.add_metric([], evicted)
+        evictions.add_metric([], kv.prefix_evictions)
         yield evictions
         preemptions = CounterMetricFamily("kvwise_preemptions", "Requests preempted under memory pressure")
-        preemptions.add_metric([], core.scheduler.preemptions)
+        preemptions.add_metric([], scheduler.preemptions)
         yield preemptions
-        yield GaugeMetricFamily("kvwise_queue_depth", "Requests waiting to run", value=len(core.scheduler.waiting))
-        yield GaugeMetricFamily("kvwise_running_requests", "Requests running", value=len(core.scheduler.running))
+        yield GaugeMetricFamily("kvwise_queue_depth", "Requests waiting to run", value=len(scheduler.waiting))
+        yield GaugeMetricFamily("kvwise_running_requests", "Requests running", value=len(scheduler.running))
         yield GaugeMetricFamily(
             "kvwise_uptime_seconds", "Seconds since the metrics started", value=time.monotonic() - _START
         )

@@ -2,13 +2,15 @@
 
     tiers = PrefixTiers([HostTier(2 << 30), DiskTier("/var/kvwise")], storage, pool, tree)
     tree.on_evict = tiers.spill          # write-through at eviction, before the block is zeroed
-    nodes = tiers.promote(tokens, namespace, first=len(match.nodes), usable_blocks=n, make_room=...)
+    nodes = tiers.extend(tokens, namespace, match, usable_blocks=n)   # lock -> promote -> unlock
+    future = tiers.prefetch(tokens, namespace)                          # slow tiers -> the first, in the background
 
-Shared by the library path (`hf.PrefixReuse`) and the engine (`engine.EngineCore`): a block
+Shared by the library path (`hf.PrefixReuse`) and the engine (`engine.KVCacheManager`): a block
 evicted from the device is written to every tier; a prompt whose cached prefix ends on the device
 continues block by block in the tiers (host, then disk, then Redis, in the order given), and the
-blocks found are copied into fresh device blocks and inserted in the tree. A tier that is down,
-full or returns a corrupt block simply misses, and the block is recomputed.
+blocks found are copied into fresh device blocks and inserted in the tree. Room for them comes
+only from free blocks and the prefix cache's own (promotion never preempts anyone). A tier that
+is down, full or returns a corrupt block simply misses, and the block is recomputed.
 
 A block on a tier is one tensor [num_layers, 2 (keys, values), block_size, num_kv_heads, head_dim].
 """
@@ -17,7 +19,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
@@ -25,7 +28,7 @@ import torch
 
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.hashing import Namespace, chain_keys
-from kvwise.core.radix import Node, RadixCache
+from kvwise.core.radix import Match, Node, RadixCache
 from kvwise.kv.paged import PagedKVStorage
 from kvwise.tiers.base import Tier
 
@@ -67,6 +70,7 @@ class PrefixTiers:
         # namespace secrets rotated out: blocks stored under them are still found (a rotation
         # would otherwise turn every tier cold at once) and come back under the current keys
         self.retired_secrets: tuple[bytes, ...] = ()
+        self._prefetcher: ThreadPoolExecutor | None = None
 
     def spill(self, node: Node) -> None:
         """Write an evicted device block to every tier (RadixCache.on_evict: before it is zeroed)."""
@@ -78,20 +82,23 @@ class PrefixTiers:
             self.stats.spilled_bytes += data.nbytes
             self.stats.spilled_blocks += 1
 
-    def promote(
-        self,
-        tokens: Sequence[int],
-        namespace: Namespace,
-        first: int,
-        usable_blocks: int,
-        make_room: Callable[[int], bool],
-    ) -> list[Node]:
-        """Blocks first.. of `tokens` fetched from the tiers until one misses, copied into device
-        blocks and inserted in the tree (which holds them); returns their nodes.
+    def extend(self, tokens: Sequence[int], namespace: Namespace, match: Match, usable_blocks: int) -> list[Node]:
+        """Continue the device `match` of `tokens` in the tiers, up to `usable_blocks` blocks: its
+        nodes are locked while room is made, so making room never evicts the prefix this continues.
+        Returns the promoted nodes (the tree holds them; nothing is locked on return)."""
+        if len(match.nodes) >= usable_blocks:
+            return []
+        self.tree.lock(match.nodes)
+        try:
+            return self.promote(tokens, namespace, len(match.nodes), usable_blocks)
+        finally:
+            self.tree.unlock(match.nodes)
 
-        make_room(n): how many device blocks, up to n, can be allocated once it has evicted what
-        it may. The caller locks the nodes before `first`, so making room never evicts the prefix
-        this continues. A tenant at its prefix quota gets no more than its headroom.
+    def promote(self, tokens: Sequence[int], namespace: Namespace, first: int, usable_blocks: int) -> list[Node]:
+        """Blocks first.. of `tokens` fetched from the tiers until one misses, copied into device
+        blocks and inserted in the tree (which holds them); returns their nodes. The caller locks
+        the nodes before `first` (`extend` does). A tenant at its prefix quota gets no more than
+        its headroom.
         """
         headroom = self.tree.quota(namespace.tenant) - self.tree.usage[namespace.tenant]
         wanted = min(usable_blocks - first, headroom)
@@ -119,18 +126,14 @@ class PrefixTiers:
         # copied before making room: the evictions below spill to the tiers, and a tier may evict
         # (and zero) the very entries just fetched
         data = torch.stack([block for _, block in found]).to(device)  # [n, layers, 2, block_size, heads, dim]
-        found = found[: make_room(len(found))]
+        found = found[: self._room_for(len(found))]
         if not found:
             data.zero_()
             return []
         data = data[: len(found)]
         blocks = self.pool.allocate(len(found))  # after the copy: nothing below can fail halfway
-        slots = (torch.tensor(blocks, device=device)[:, None] * self.block_size).add(
-            torch.arange(self.block_size, device=device)
-        )
-        for layer in range(len(self.storage.keys)):
-            keys_, values = data[:, layer, 0].flatten(0, 1), data[:, layer, 1].flatten(0, 1)
-            self.storage.write(layer, slots.flatten(), keys_, values)
+        # data [n, layers, 2, ...] -> keys, values [layers, n, block_size, heads, dim]
+        self.storage.write_blocks(blocks, data[:, :, 0].transpose(0, 1), data[:, :, 1].transpose(0, 1))
         end = (first + len(found)) * self.block_size
         path = self.tree.insert(tokens[:end], [-1] * first + blocks, namespace)
         self.pool.release(blocks)  # the tree holds the blocks it kept
@@ -138,6 +141,35 @@ class PrefixTiers:
         for (tier_name, _), _node in zip(found, promoted):
             self.stats.hits_tokens[tier_name] += self.block_size
         return promoted
+
+    def _room_for(self, count: int) -> int:
+        """Device blocks, up to `count`, that can be had from free blocks and unlocked cached prefixes."""
+        if not self.pool.can_allocate(count):
+            self.tree.evict(count - self.pool.num_free)
+        return min(count, self.pool.num_free)
+
+    def prefetch(self, tokens: Sequence[int], namespace: Namespace) -> Future:
+        """Start pulling the blocks of `tokens`' cached prefix that sit in slow tiers (disk, Redis) up
+        into the first tier (host RAM), in a background thread, so a later `extend` finds them
+        there. Returns a Future of the number of blocks moved."""
+        if self._prefetcher is None:
+            self._prefetcher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kvwise-prefetch")
+        return self._prefetcher.submit(self._prefetch_blocks, list(tokens), namespace)
+
+    def _prefetch_blocks(self, tokens: list[int], namespace: Namespace) -> int:
+        if len(self.tiers) < 2:
+            return 0
+        usable_blocks = (len(tokens) - 1) // self.block_size
+        keys = chain_keys(tokens[: usable_blocks * self.block_size], self.block_size, namespace)
+        near, moved = self.tiers[0], 0
+        for key in keys:
+            if near.exists(key):
+                continue
+            found = next((block for block in (tier.get(key) for tier in self.tiers[1:]) if block is not None), None)
+            if found is None or not near.put(key, found):
+                break  # a prefix ends at its first missing block
+            moved += 1
+        return moved
 
     def fetch(self, key: bytes) -> tuple[str, torch.Tensor] | None:
         """(tier name, block) from the first tier that has `key`, or None."""
@@ -193,6 +225,5 @@ class PrefixTiers:
 
     def block_tensor(self, block: int) -> torch.Tensor:
         """[num_layers, 2, block_size, num_kv_heads, head_dim] copy of a device block."""
-        return torch.stack(
-            [torch.stack([keys[block], values[block]]) for keys, values in zip(self.storage.keys, self.storage.values)]
-        )
+        keys, values = self.storage.read_blocks([block])  # [num_layers, 1, block_size, num_kv_heads, head_dim]
+        return torch.stack([keys[:, 0], values[:, 0]], dim=1)

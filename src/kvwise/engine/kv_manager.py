@@ -1,0 +1,378 @@
+"""`KVCacheManager`: the one owner of the engine's KV memory.
+
+It holds the block pool, the paged storage, the radix tree (prefix cache), the prefix tiers, host
+swap and the quantized pools, and it is the only writer of requests' block tables. The scheduler
+decides who runs; it asks here first and then acts, in the way of vLLM v1's KVCacheManager and
+nano-vllm's block manager, so nothing fails halfway:
+
+    match(request)                      take the prompt's cached prefix (device, then the tiers)
+    can_allocate / allocate(request, tokens)   blocks for the request's first `tokens` tokens
+    free(request)                       give everything back (device, quantized, host copy, locks)
+    cache_prompt(request, upto)         publish its computed full blocks to the prefix cache
+    can_swap_out / swap_out, can_swap_in / swap_in      preemption to host memory and back
+    plan_compactions(chunks), apply_compaction(request, compaction)   per-request eviction
+    quantize_settled(requests)          per-request kv_quant of settled private blocks
+    stats() -> KVStats                  what the metrics and benches report
+
+Cached prefixes are reclaimable memory: `can_allocate` evicts unlocked ones (to the tiers, when
+there are tiers) before it answers, as vLLM reuses free cached blocks. It never touches a running
+request: preempting one is the scheduler's decision.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from concurrent.futures import Future
+
+import torch
+
+from kvwise.core.block_pool import BlockPool
+from kvwise.core.radix import RadixCache
+from kvwise.engine.block_table import BlockTable, Place
+from kvwise.engine.compaction import Compaction
+from kvwise.engine.config import CacheConfig
+from kvwise.engine.kv_stats import KVStats, TierUsage
+from kvwise.engine.namespaces import default_namespace
+from kvwise.engine.quant_pool import QuantPool
+from kvwise.engine.request import Request
+from kvwise.engine.swap import HostSwap
+from kvwise.kv.paged import PagedKVStorage
+from kvwise.policies.selection import kept_per_head
+from kvwise.tiers.base import Tier
+from kvwise.tiers.prefix_tiers import PrefixTiers, ReuseStats
+
+log = logging.getLogger("kvwise.engine")
+
+PLENTY_FREE_FRACTION = 0.25  # whole-request reservations stop when fewer blocks than this stay free
+
+
+class KVCacheManager:
+    def __init__(
+        self,
+        pool: BlockPool,
+        tree: RadixCache | None = None,
+        namespace_of=None,
+        storage: PagedKVStorage | None = None,
+        swap: HostSwap | None = None,
+        tiers: PrefixTiers | None = None,
+    ):
+        """namespace_of(request) -> Namespace: a request's block identity (default: one model "m").
+        Without storage the manager is bookkeeping only (scheduler tests); quantization, swap and
+        tiers need it."""
+        self.pool, self.tree, self.storage, self.swap, self.tiers = pool, tree, storage, swap, tiers
+        self.namespace_of = namespace_of if namespace_of is not None else default_namespace("m")
+        self.block_size = pool.block_size
+        self.quant_pools: dict[str, QuantPool] = {}  # per quantizer spec, made when first asked for
+        self.prefix_stats = tiers.stats if tiers is not None else ReuseStats()  # tier hits, spills, time
+        self.recomputed_blocks = 0
+        self.peak_blocks = 0
+        self.geometry = None  # the model's KVGeometry (heads, head size, windows), set by for_model
+
+    @classmethod
+    def for_model(cls, model, config: CacheConfig, tiers: Sequence[Tier] = ()) -> KVCacheManager:
+        """Pool, storage (on the model's device, in its dtype), tree, swap space and tiers for `model`."""
+        from kvwise.hf.geometry import kv_geometry
+
+        if tiers and not config.prefix_caching:
+            raise ValueError("prefix tiers hold evicted prefix-cache blocks: they need prefix_caching=True")
+        shape = kv_geometry(model)
+        pool = BlockPool(config.num_blocks, config.block_size)
+        storage = PagedKVStorage(
+            shape.num_layers,
+            config.num_blocks,
+            config.block_size,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.dtype,
+            model.device,
+        )
+        storage.attach(pool)
+        tree = (
+            RadixCache(pool, default_quota=config.prefix_quota_blocks, fair_share=config.fair_prefix_shares)
+            if config.prefix_caching
+            else None
+        )
+        prefix_tiers = PrefixTiers(tiers, storage, pool, tree) if tiers else None
+        if prefix_tiers is not None:
+            tree.on_evict = prefix_tiers.spill
+        swap = HostSwap(storage, config.swap_space_bytes) if config.swap_space_bytes else None
+        namespace_of = default_namespace(shape.model_id, str(shape.dtype), b"", config.block_size)
+        manager = cls(pool, tree, namespace_of, storage=storage, swap=swap, tiers=prefix_tiers)
+        manager.geometry = shape
+        return manager
+
+    @property
+    def prefix_caching(self) -> bool:
+        return self.tree is not None
+
+    def set_namespace_keys(self, keys: Sequence[bytes]) -> None:
+        """New requests' blocks are keyed with keys[0]; blocks the tiers hold under the others still
+        come back (keyed anew on the device)."""
+        self.namespace_of.rekey(keys[0])
+        if self.tiers is not None:
+            self.tiers.retired_secrets = tuple(keys[1:])
+
+    # ---- the prefix cache ------------------------------------------------------------------------
+    def cached_length(self, request: Request) -> int:
+        """Prompt tokens cached on the device for `request` (a peek: nothing is touched)."""
+        if self.tree is None:
+            return 0
+        return self.tree.match_prefix(request.prompt[:-1], self.namespace_of(request), touch=False).length
+
+    def match(self, request: Request) -> int:
+        """Take the prompt's cached prefix: the device match continued in the tiers, locked for the
+        request and first in its block table. Returns the tokens it covers (at least the last
+        prompt token is left to compute)."""
+        if self.tree is None:
+            return 0
+        namespace = self.namespace_of(request)
+        match = self.tree.match_prefix(request.prompt[:-1], namespace)
+        usable = (len(request.prompt) - 1) // self.block_size
+        if self.tiers is not None and self.tiers.extend(request.prompt, namespace, match, usable):
+            match = self.tree.match_prefix(request.prompt[:-1], namespace)
+        self.tree.lock(match.nodes)
+        self.pool.incref(match.blocks)
+        request.locked_nodes, request.blocks = match.nodes, BlockTable(match.blocks)
+        request.reused = match.length
+        return match.length
+
+    def prefetch(self, request: Request) -> Future | None:
+        """Pull the prompt's cached blocks from slow tiers into the first one in the background
+        (None without tiers); `match` then finds them there."""
+        if self.tiers is None:
+            return None
+        return self.tiers.prefetch(request.prompt, self.namespace_of(request))
+
+    def cache_prompt(self, request: Request, upto: int) -> None:
+        """Publish the full blocks of the request's first `upto` tokens to the prefix cache (a
+        request whose private blocks hold its own compressed state publishes nothing). A key that
+        may only read the shared namespace caches nothing while its shared segment is not there."""
+        if self.tree is None or _compresses(request):
+            return
+        tokens = request.tokens[: upto // self.block_size * self.block_size]
+        namespace = self.namespace_of(request)
+        segment = request.shared_prefix_tokens // self.block_size * self.block_size
+        if segment and not request.may_publish_shared:
+            if self.tree.match_prefix(tokens[:segment], namespace, touch=False).length < min(segment, len(tokens)):
+                return
+        self.tree.insert(tokens, request.blocks.block_ids, namespace)
+
+    # ---- blocks ------------------------------------------------------------------------------------
+    def blocks_needed(self, request: Request, tokens: int) -> int:
+        """Device blocks `request` lacks to hold its first `tokens` tokens."""
+        return -(-(tokens - request.kv_offset) // self.block_size) - len(request.blocks)
+
+    def can_allocate(self, request: Request, tokens: int) -> bool:
+        """Whether `allocate(request, tokens)` will succeed, after evicting unlocked cached prefixes."""
+        needed = self.blocks_needed(request, tokens)
+        if needed <= 0 or self.pool.can_allocate(needed):
+            return True
+        if self.tree is not None:
+            self.tree.evict(needed - self.pool.num_free)
+        return self.pool.can_allocate(needed)
+
+    def allocate(self, request: Request, tokens: int) -> None:
+        """Blocks for the request's first `tokens` tokens (check `can_allocate` first).
+
+        While memory is plentiful, a request's first allocation takes consecutive blocks for all
+        its tokens (prompt + max_tokens): the CPU runner then reads its KV as one slice of the pool
+        instead of gathering blocks every layer and step. Under pressure, or without a long enough
+        free run, blocks come one step's need at a time."""
+        needed = self.blocks_needed(request, tokens)
+        if needed <= 0:
+            return
+        if not request.reserved:
+            request.reserved = True
+            total = -(-(len(request.prompt) + request.params.max_tokens) // self.block_size) - len(request.blocks)
+            if self.pool.num_free - total >= self.pool.num_blocks * PLENTY_FREE_FRACTION:
+                run = self.pool.allocate_contiguous(total)
+                if run is not None:
+                    request.blocks.append(run)
+                    return
+        request.blocks.append(self.pool.allocate(needed))
+
+    def fit_tokens(self, request: Request) -> int:
+        """The most tokens `request` can hold with its blocks and the free ones."""
+        return (len(request.blocks) + self.pool.num_free) * self.block_size + request.kv_offset
+
+    def free(self, request: Request, recompute: bool = False) -> None:
+        """Give back everything the request holds: device and quantized blocks, its host copy, its
+        prefix locks. recompute: its KV is dropped to be computed again (a preemption), so its
+        layout after eviction goes too and the blocks count as recomputed."""
+        if recompute:
+            self.recomputed_blocks += len(request.blocks)
+            request.kv_offset, request.compacted_positions = 0, None
+        if request.swapped is not None:
+            self.swap.drop(request.swapped)
+            request.swapped = None
+        request.reserved = False
+        if self.tree is not None and request.locked_nodes:
+            self.tree.unlock(request.locked_nodes)
+        self._release(request, request.blocks)
+        request.blocks, request.locked_nodes = BlockTable(), []
+
+    def _release(self, request: Request, table: BlockTable) -> None:
+        """Device blocks back to the pool, quantized ones to the request's QuantPool (host entries
+        are the swapped copy, dropped with it)."""
+        device = table.ids(Place.DEVICE)
+        if device:
+            self.pool.release(device)
+        quantized = table.ids(Place.QUANTIZED)
+        if quantized:
+            self.quant_pools[request.kv.quant].release(quantized)
+
+    # ---- host swap ---------------------------------------------------------------------------------
+    def can_swap_out(self, request: Request) -> bool:
+        """A swap space with room for all of the request's blocks, all on the device (quantized
+        blocks are recomputed instead)."""
+        table = request.blocks
+        return self.swap is not None and bool(table) and table.all_in(Place.DEVICE) and self.swap.can_hold(len(table))
+
+    def swap_out(self, request: Request) -> bool:
+        """Copy the request's KV to host memory and free its device blocks and locks; its table
+        then points at the host copy. False (nothing changed) when host memory refused the copy."""
+        try:  # copied before anything changes: a failed copy leaves no block or lock behind
+            swapped = self.swap.swap_out(request.blocks.block_ids)
+        except Exception:  # noqa: BLE001 - host memory refused: recompute instead
+            log.exception("swapping out %s failed; it will be recomputed", request.request_id)
+            return False
+        length = len(request.blocks)
+        self.free(request)
+        request.swapped, request.reserved = swapped, True
+        request.blocks = BlockTable(range(length), Place.HOST)
+        return True
+
+    def can_swap_in(self, request: Request) -> bool:
+        """Device blocks for a swapped request's host copy, after evicting unlocked cached prefixes."""
+        needed = request.blocks.count(Place.HOST)
+        if not self.pool.can_allocate(needed) and self.tree is not None:
+            self.tree.evict(needed - self.pool.num_free)
+        return self.pool.can_allocate(needed)
+
+    def swap_in(self, request: Request) -> bool:
+        """Copy a swapped request's KV back into fresh device blocks (check `can_swap_in` first).
+        False when the copy failed: its blocks and host copy are given back and it is to be
+        recomputed (its layout after eviction is gone)."""
+        blocks = self.pool.allocate(request.blocks.count(Place.HOST))
+        try:
+            self.swap.swap_in(request.swapped, blocks)
+        except Exception:  # noqa: BLE001 - give the blocks back and recompute it instead
+            log.exception("swapping in %s failed; it will be recomputed", request.request_id)
+            request.blocks = BlockTable(blocks)
+            self.free(request, recompute=True)
+            return False
+        request.blocks, request.swapped = BlockTable(blocks), None
+        return True
+
+    # ---- per-request eviction ----------------------------------------------------------------------
+    def plan_compactions(self, chunks) -> dict[int, int]:
+        """{id(chunk): tokens per head to keep} for requests whose KVSettings evict this step:
+        once when the prompt's last chunk is computed (ratio, `kept_per_head`), and whenever
+        decoding has grown the private tokens a block past max_kv_tokens."""
+        plans = {}
+        for chunk in chunks:
+            request = chunk.request
+            settings = request.kv
+            if settings is None or not settings.evicts:
+                continue
+            private = chunk.end - request.kv_offset - request.reused  # private KV slots after this chunk
+            keep = private
+            if chunk.end == request.prefill_target and settings.ratio > 0:
+                keep = kept_per_head(private, settings.ratio)
+            cap = settings.max_kv_tokens
+            if cap is not None and (keep > cap + self.block_size or (keep < private and keep > cap)):
+                keep = cap
+            if keep < private:
+                plans[id(chunk)] = keep
+        return plans
+
+    def apply_compaction(self, request: Request, compaction: Compaction) -> None:
+        """After the forward that evicted: the kept tokens' positions are recorded and the blocks
+        past them go back to the pool (real bytes freed)."""
+        layers = range(len(self.storage.keys))
+        request.compacted_positions = torch.stack([compaction.kept_positions[layer] for layer in layers])
+        kv_tokens = request.reused + compaction.keep
+        request.kv_offset = compaction.end - kv_tokens
+        tail = request.blocks.cut(-(-kv_tokens // self.block_size))
+        self._release(request, tail)
+
+    # ---- per-request quantization ------------------------------------------------------------------
+    def quant_pool(self, name: str) -> QuantPool:
+        if name not in self.quant_pools:
+            self.quant_pools[name] = QuantPool(name, self.storage, self.pool.num_blocks)
+        return self.quant_pools[name]
+
+    def quantize_settled(self, requests: Sequence[Request]) -> list[tuple[Request, Exception]]:
+        """Move requests' full private blocks outside the residual window to their QuantPool.
+        Returns [(request, error)] for requests whose quantization raised (the others go on)."""
+        failed = []
+        for request in list(requests):
+            if request.kv is None or request.kv.quant is None or request.prefilling:
+                continue
+            try:
+                self._quantize(request)
+            except Exception as error:  # noqa: BLE001 - that request alone fails
+                failed.append((request, error))
+        return failed
+
+    def _quantize(self, request: Request) -> None:
+        quant, table = self.quant_pool(request.kv.quant), request.blocks
+        first = max(request.reused // self.block_size, 1)  # the shared prefix and the sink block stay
+        full = (request.computed - request.kv_offset) // self.block_size
+        settled = [i for i in range(first, full - quant.residual_blocks) if table.places[i] is Place.DEVICE]
+        if not settled:
+            return
+        device = [table.block_ids[i] for i in settled]
+        ids = quant.store(self.storage, device)
+        if ids is None:
+            return  # the quantized pool is full: the blocks stay as they are
+        self.pool.release(device)
+        for index, quantized in zip(settled, ids):
+            table.move(index, Place.QUANTIZED, quantized)
+
+    # ---- reports -----------------------------------------------------------------------------------
+    def record_peak(self) -> None:
+        self.peak_blocks = max(self.peak_blocks, self.pool.stats().used)
+
+    def stats(self) -> KVStats:
+        """Read from the engine thread or, for metrics, from another (reads of ints)."""
+        pool = self.pool.stats()
+        block_bytes = self.storage.nbytes() // self.pool.num_blocks if self.storage is not None else 0
+        quant_pools = list(self.quant_pools.items())
+        tiers = self.tiers.tiers if self.tiers is not None else []
+        return KVStats(
+            block_bytes=block_bytes,
+            num_blocks=pool.total,
+            free_blocks=pool.free,
+            used_blocks=pool.used,
+            peak_used_blocks=self.peak_blocks,
+            prefix_cached_blocks=len(self.tree) if self.tree is not None else 0,
+            prefix_evictions=self.tree.evictions if self.tree is not None else 0,
+            prefix_spilled_blocks=self.prefix_stats.spilled_blocks,
+            quantized_bytes=sum(quant.used_bytes() for _, quant in quant_pools),
+            quantization_errors={
+                name: (quant.mean_error("keys"), quant.mean_error("values")) for name, quant in quant_pools
+            },
+            swap_used_bytes=self.swap.used_bytes if self.swap is not None else None,
+            swap_capacity_bytes=self.swap.capacity_bytes if self.swap is not None else None,
+            swapped_out_blocks=self.swap.swapped_out_blocks if self.swap is not None else 0,
+            swapped_in_blocks=self.swap.swapped_in_blocks if self.swap is not None else 0,
+            recomputed_blocks=self.recomputed_blocks,
+            tiers=tuple(
+                TierUsage(
+                    tier.name,
+                    tier.stats.bytes_held,
+                    getattr(tier, "capacity_bytes", None),
+                    self.prefix_stats.hits_tokens[tier.name],
+                    tier.stats.corrupt,
+                    tier.stats.errors,
+                )
+                for tier in tiers
+            ),
+        )
+
+
+def _compresses(request: Request) -> bool:
+    """Its private blocks hold its own compressed state: never cache them as the prompt's."""
+    return request.kv is not None and request.kv.active

@@ -120,5 +120,7 @@ def test_no_input_gives_a_server_error(fuzz_server, mode):
             call()
     finally:
         canary.stop()
-    assert canary.runs >= 2 and not canary.wrong, (canary.runs, canary.wrong[:3], canary.expected)
-    assert_canary_shared_steps_with_the_fuzzer(fuzz_server.engine.core)
+    # stop() waits for the stream in flight, so at least one ran beside the fuzzer from start to end
+    assert canary.runs >= 1 and not canary.wrong, (canary.runs, canary.wrong[:3], canary.expected)
+    if mode is GenerationMode.POSITIVE:  # invalid bodies are refused before the engine: only valid ones share steps
+        assert_canary_shared_steps_with_the_fuzzer(fuzz_server.engine.core)

@@ -78,3 +78,13 @@ def smollm():
     import kvwise
 
     return kvwise.load_model()
+
+
+@pytest.fixture(scope="module")
+def redis_server(tmp_path_factory):
+    """A throwaway redis-server for one test module (the Redis tier's tests)."""
+    from tests.redis_servers import start_redis
+
+    server = start_redis(tmp_path_factory.mktemp("redis"))
+    yield server
+    server.stop()

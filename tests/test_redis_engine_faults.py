@@ -54,13 +54,6 @@ def block_key(tier: RedisTier, name: bytes) -> bytes:
     return bytes.fromhex(name.decode().removeprefix(tier.prefix))
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = start_redis(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
-
-
 # ---- tampering ----------------------------------------------------------------------------------
 def written_by_other_weights(url: str, kind: str) -> dict[bytes, bytes]:
     """What an engine on retrained weights, sharing the Redis and every key, writes for the same

@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from kvwise.core.hashing import Namespace, chain_keys
 from kvwise.tiers.redis_tier import RedisTier
-from tests.redis_servers import start_redis
 
 OLD, NEW, OTHER = (bytes([byte]) * 32 for byte in (1, 2, 3))
 KINDS = {"hmac": "hmac_key", "aes-gcm": "encryption_key"}  # kind of key -> RedisTier's argument
@@ -34,13 +33,6 @@ def keys(count: int, tenant: str) -> list[bytes]:
 def block(seed: int = 0) -> torch.Tensor:
     """[layers, 2, block_size, kv_heads, head_dim], with data bytes that are easy to search for."""
     return (torch.arange(3 * 2 * 4 * 2 * 8, dtype=torch.float32) + 1000 * seed).reshape(3, 2, 4, 2, 8)
-
-
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = start_redis(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
 
 
 def test_encrypted_values_round_trip_and_hide_the_data(redis_server):

@@ -98,13 +98,6 @@ def test_a_full_disk_refuses_writes_and_nothing_else_breaks(tmp_path, monkeypatc
     assert capped.put(stored, block(7)) is False and capped.last_error == "capacity reached"
 
 
-@pytest.fixture(scope="module")
-def redis_server(tmp_path_factory):
-    server = start_redis(tmp_path_factory.mktemp("redis"))
-    yield server
-    server.stop()
-
-
 def test_redis_round_trip_with_ttl(redis_server):
     tier = RedisTier(redis_server.url, hmac_key=HMAC_KEY, ttl_seconds=60)
     key = keys(1, tenant="round-trip")[0]

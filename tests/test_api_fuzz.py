@@ -78,9 +78,7 @@ class CanaryLoop:
 
 
 def assert_canary_shared_steps_with_the_fuzzer(core) -> None:
-    shared = sum(
-        1 for record in core.step_log if {tenant for _, tenant, _, _ in record.chunks} >= {"canary", "fuzzer"}
-    )
+    shared = sum(1 for record in core.step_log if {tenant for _, tenant, _, _ in record.chunks} >= {"canary", "fuzzer"})
     assert shared > 0, "the canary never ran in the same step as a fuzzer's request"
 
 

@@ -151,8 +151,9 @@ def test_a_per_request_policy_changes_only_that_request(llama):
     squeezed = mixed[1]
     _run(core, mixed, until=lambda: squeezed.computed >= len(squeezed.prompt))
     kept = 28  # round(57 * 0.5): ties go to the even count (policies.selection)
-    assert squeezed.kv_offset == 57 - kept  # evicted right after its prefill...
-    assert len(squeezed.blocks) == math.ceil(kept / 4)  # ...and its blocks past the kept tokens are freed
+    # evicted right after its prefill: each head keeps its 28 tokens in head pages...
+    assert squeezed.region.counts == [[kept] * 2] * 3 and squeezed.region.num_pages == 3 * 2 * math.ceil(kept / 4)
+    assert len(squeezed.blocks) == 0  # ...and the prompt's blocks are freed
     _run(core, [])
     assert [r.output for r in mixed[::2]] == [r.output for r in plain[::2]]  # the others are untouched
     assert len(squeezed.output) == 12
@@ -175,7 +176,8 @@ def test_shared_prefix_blocks_stay_intact_and_max_kv_tokens_caps_decoding(llama)
     while core.has_work:
         core.step()
         if not capped.done:
-            most_private = max(most_private, capped.computed - capped.kv_offset - capped.reused)
+            region = capped.region.longest() if capped.region is not None else 0
+            most_private = max(most_private, region + capped.computed - capped.kv_offset - capped.reused)
     assert capped.reused == 24 and len(capped.output) == 40
     assert most_private <= 8 + 4 + 1  # evicted back to 8 whenever a block's worth piled up
     for block, keys in cached.items():  # the shared prefix was read, never rewritten
@@ -188,10 +190,10 @@ def test_kv_settings_errors():
         KVSettings("nope", ratio=0.5)
     with pytest.raises(ValueError, match=r"kv_ratio must be in \[0, 1\)"):
         KVSettings("snapkv", ratio=1.0)
-    with pytest.raises(ValueError, match="second pass"):
-        KVSettings("kvzip", ratio=0.5)
-    with pytest.raises(ValueError, match="running statistics"):
-        KVSettings("h2o", max_kv_tokens=8)
+    with pytest.raises(ValueError, match="max_kv_tokens must be a positive integer"):
+        KVSettings("h2o", max_kv_tokens=0)
+    with pytest.raises(ValueError, match="unknown quantizer|quant"):
+        KVSettings("kvzip", ratio=0.5, quant="kivi3")
 
 
 @pytest.mark.parametrize("swap_space_bytes", [0, 1 << 24])

@@ -62,8 +62,12 @@ class Canary:
     def _run(self):
         try:
             stream = client("bob").completions.create(
-                model=MODEL, prompt=CANARY_PROMPT, max_tokens=self.expected_tokens, temperature=0,
-                stream=True, extra_body={"ignore_eos": True},
+                model=MODEL,
+                prompt=CANARY_PROMPT,
+                max_tokens=self.expected_tokens,
+                temperature=0,
+                stream=True,
+                extra_body={"ignore_eos": True},
             )
             for chunk in stream:
                 self.started.set()
@@ -115,7 +119,10 @@ ACCEPTED_POISON = {  # values that used to crash a step: now safe, the request i
 def test_values_that_broke_the_step_are_safe_beside_a_canary(server, canary_text, name):
     canary = Canary()
     answer = client().completions.create(
-        model=MODEL, prompt="The capital of France is", max_tokens=24, extra_body={"ignore_eos": True},
+        model=MODEL,
+        prompt="The capital of France is",
+        max_tokens=24,
+        extra_body={"ignore_eos": True},
         **ACCEPTED_POISON[name],
     )
     assert answer.choices[0].finish_reason == "length"
@@ -246,6 +253,7 @@ def test_a_dead_engine_thread_fails_new_requests_at_once_with_503(tmp_path):
     core = EngineCore(model, tokenizer, CacheConfig(block_size=16, num_blocks=32))
     live = InProcessServer(create_app(core, ServerSettings("tiny")))
     try:
+
         def die():
             raise SystemExit("the engine thread died")  # not an Exception: the loop does not catch it
 

@@ -1,11 +1,17 @@
-"""`Compaction`: evicting a request's private tokens inside the forward that computed them.
+"""`Compaction`: choosing which of a request's private tokens each KV head keeps.
 
-The attention function runs it per layer, right after that layer's attention: the layer's
-queries of the chunk are at hand there (what SnapKV-style policies score with), and the
-request's private KV is read from its blocks, scored, and the kept tokens of each KV head are
-written back to the first slots of the private region. Heads keep different tokens, each at its
-RoPE-rotated original position, so slot order does not matter to attention. After the forward
-the engine releases the blocks past the kept length.
+Scoring happens inside the forward that computed the tokens: the attention function calls
+`apply` per layer, right after that layer's attention, when the layer's queries of the chunk are
+at hand (what SnapKV-style policies score with). The request's private KV (its region, then its
+tail: `PrivateKV`) is read from the pool, scored, and the layer's keep mask is stored. Policies
+whose budget is shared by every layer (KVzip) keep the scores instead and select over all layers
+in `kept()`, after the forward (and after KVzip's reconstruction pass, `ContextPass`). The
+`KVCacheManager` then moves the kept tokens into head pages and frees the rest.
+
+Budgets are the library path's (`policies.selection`): a ratio compaction keeps
+`head_budgets(policy, ratio, tokens)` per head (per-layer weights for PyramidKV, shared within a
+layer for Ada-KV, across all layers for KVzip); a cap (`max_kv_tokens`) then keeps at most `cap`
+per head by the policy's decode-time scores.
 """
 
 from __future__ import annotations
@@ -14,52 +20,153 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvwise.engine.head_region import HeadRegion
 from kvwise.kv.paged import PagedKVStorage
-from kvwise.policies.base import Policy
+from kvwise.policies.base import Policy, keep_top_per_head
 from kvwise.policies.scoring_input import ScoringInput
-from kvwise.policies.selection import select_in_layer
+from kvwise.policies.selection import head_budgets, select_across_layers, select_in_layer
+
+
+@dataclass
+class PrivateKV:
+    """A request's private KV as padded per-head rows: its region's tokens, then its tail's.
+
+    tail_slots: [T] int64 pool slots of the tail in order; tail_positions: [T] their positions;
+    held_stats: the request's running statistics (H2O, Scissorhands) per layer, each
+    [kv_heads, S'] over the rows as they were when last observed (the tail has grown since)."""
+
+    region: HeadRegion | None
+    tail_slots: torch.Tensor
+    tail_positions: torch.Tensor
+    kv_heads: int
+    layer_slots: int  # slots of one layer in the storage (num_blocks x block_size)
+    held_stats: list[dict[str, torch.Tensor]] | None = None
+
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """cells, valid, positions: [kv_heads, S] (S = the region's width + T)."""
+        cells = slot_cells(self.tail_slots, layer, self.kv_heads, self.layer_slots)
+        valid = torch.ones_like(cells, dtype=torch.bool)
+        positions = self.tail_positions[None, :].expand(self.kv_heads, -1)
+        if self.region is None:
+            return cells, valid, positions
+        region = self.region
+        return (
+            torch.cat([region.cells[layer], cells], dim=1),
+            torch.cat([region.valid[layer], valid], dim=1),
+            torch.cat([region.positions[layer], positions], dim=1),
+        )
+
+    def width(self, layer: int) -> int:
+        """S: the rows of `layer(layer)`."""
+        return (self.region.cells[layer].shape[1] if self.region is not None else 0) + len(self.tail_slots)
+
+    def stats(self, layer: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
+        """Running statistics for `names`, each [kv_heads, S]: zero for tokens not yet observed."""
+        held = self.held_stats[layer] if self.held_stats is not None else {}
+        width, device = self.width(layer), self.tail_slots.device
+        stats = {}
+        for name in names:
+            stat = held.get(name, torch.zeros(self.kv_heads, 0, device=device))
+            stats[name] = torch.nn.functional.pad(stat, (0, width - stat.shape[1]))
+        return stats
+
+
+def slot_cells(slots: torch.Tensor, layer: int, kv_heads: int, layer_slots: int) -> torch.Tensor:
+    """[kv_heads, n] storage cells of pool slots `slots` [n] in `layer` (see `HeadPages`)."""
+    heads = torch.arange(kv_heads, device=slots.device)[:, None]
+    return (layer * layer_slots + slots[None, :]) * kv_heads + heads
+
+
+def read_cells(storage: PagedKVStorage, cells: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """keys, values [*cells.shape, head_dim] of storage cells (see `HeadPages`)."""
+    keys, values = storage.cells()
+    return keys[cells], values[cells]
 
 
 @dataclass
 class Compaction:
-    """slots: [L] pool slots of the private region in order; positions: [num_layers, kv_heads, L]
-    each slot's original token position; queries [first, last) of the flat step; keep: tokens
-    per head kept; end: the position after the chunk's last token."""
+    """One request's eviction in one forward.
+
+    ratio_tokens: tokens per head the ratio applies to (None: no ratio in this compaction);
+    cap: max_kv_tokens (None: no cap); end: the position after the chunk's last token; first,
+    last: the chunk's queries in the flat step (set by the runner)."""
 
     request: object
     policy: Policy
-    slots: torch.Tensor
-    positions: torch.Tensor
-    first: int
-    last: int
-    keep: int
-    end: int  # the position after the chunk's last token
-    kept_positions: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [kv_heads, keep]
+    private: PrivateKV
+    end: int
+    num_layers: int
+    ratio: float = 0.0
+    ratio_tokens: int | None = None
+    cap: int | None = None
+    rotate_queries: object = None
+    chunk: object = None  # the scheduler's Chunk this compaction belongs to
+    first: int = 0
+    last: int = 0
+    keep: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [kv_heads, S] bool
+    scores: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [kv_heads, S] (global scope)
+    cap_scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    stats: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # layer -> name -> [kv_heads, S]
+
+    @property
+    def global_budget(self) -> bool:
+        return self.ratio_tokens is not None and self.policy.budget_scope == "global"
+
+    @property
+    def needs_context_pass(self) -> bool:
+        return self.ratio_tokens is not None and self.policy.needs_context_pass
 
     def apply(self, storage: PagedKVStorage, layer: int, query: torch.Tensor, scaling: float | None) -> None:
         """query: [1, num_heads, T, head_dim], the layer's flat queries of this step."""
-        keys_flat = storage.keys[layer].view(-1, *storage.keys[layer].shape[2:])  # [slots, kv_heads, dim]
-        values_flat = storage.values[layer].view(-1, *storage.values[layer].shape[2:])
-        keys, values = keys_flat[self.slots], values_flat[self.slots]  # [L, kv_heads, dim] (copies)
-        heads, length = keys.shape[1], keys.shape[0]
-        valid = torch.ones(1, heads, length, dtype=torch.bool, device=keys.device)
-        positions = self.positions[layer]
+        cells, valid, positions = self.private.layer(layer)
+        keys, values = read_cells(storage, cells)  # [kv_heads, S, head_dim]
         scoring = ScoringInput(
-            keys=keys.transpose(0, 1)[None],
-            values=values.transpose(0, 1)[None],
-            valid=valid,
+            keys=keys[None],
+            values=values[None],
+            valid=valid[None],
             positions=positions[None],
             queries=query[:, :, self.first : self.last],
             scaling=scaling if scaling is not None else keys.shape[-1] ** -0.5,
             layer_idx=layer,
-            num_layers=len(storage.keys),
-            budget=self.keep,
+            num_layers=self.num_layers,
+            stats={name: stat[None] for name, stat in self.private.stats(layer, self.policy.stat_names).items()},
+            rotate_queries=self.rotate_queries,
         )
-        budgets = torch.full((1,), self.keep, device=keys.device)
-        kept = select_in_layer(self.policy, self.policy.score(scoring), scoring, budgets)[0]  # [kv_heads, L]
-        # the kept slots of each head in their original order: True sorts first under a stable sort
-        order = torch.argsort((~kept).to(torch.int8), dim=-1, stable=True)[:, : self.keep]  # [kv_heads, keep]
-        index = order.t()[..., None].expand(-1, -1, keys.shape[-1])  # [keep, kv_heads, dim]
-        keys_flat[self.slots[: self.keep]] = keys.gather(0, index)
-        values_flat[self.slots[: self.keep]] = values.gather(0, index)
-        self.kept_positions[layer] = positions.gather(1, order)
+        if self.policy.stat_names:
+            scoring.stats = self.policy.observe(scoring)
+            self.stats[layer] = {name: stat[0] for name, stat in scoring.stats.items()}
+        keep = valid
+        if self.ratio_tokens is not None:
+            budgets = head_budgets(self.policy, self.ratio, [self.ratio_tokens], layer, self.num_layers)
+            scoring.budget, scoring.row_budgets = budgets[0], torch.tensor(budgets, device=keys.device)
+            if self.global_budget:
+                if not self.needs_context_pass:  # KVzip's pass scores later, in ContextPass
+                    self.scores[layer] = self.policy.score(scoring).float()[0]
+            else:
+                keep = select_in_layer(self.policy, self.policy.score(scoring), scoring, scoring.row_budgets)[0]
+        if self.cap is not None:
+            scoring.budget, scoring.row_budgets = self.cap, None
+            self.cap_scores[layer] = self.policy.score(scoring)[0]
+        self.keep[layer] = keep
+
+    def kept(self) -> list[torch.Tensor]:
+        """Keep masks [kv_heads, S] per layer, once every layer (and any context pass) has run."""
+        keep = [self.keep[layer] for layer in range(self.num_layers)]
+        if self.global_budget:
+            widths = [mask.shape[1] for mask in keep]
+            width = max(widths)
+            scores = torch.stack([_pad(self.scores[layer], width, 0.0) for layer in range(self.num_layers)])
+            valid = torch.stack([_pad(mask, width, False) for mask in keep])  # [layers, kv_heads, width]
+            chosen = select_across_layers(self.policy, self.ratio, scores[None], valid[None])[0]
+            keep = [chosen[layer, :, : widths[layer]] for layer in range(self.num_layers)]
+        if self.cap is not None:
+            for layer, mask in enumerate(keep):
+                if bool((mask.sum(dim=-1) > self.cap).any()):
+                    budgets = torch.full((1, mask.shape[0]), self.cap, device=mask.device)
+                    keep[layer] = keep_top_per_head(self.cap_scores[layer][None], mask[None], budgets)[0]
+        return keep
+
+
+def _pad(tensor: torch.Tensor, width: int, value) -> torch.Tensor:
+    """[rows, n] -> [rows, width], `value` in the new columns."""
+    return torch.nn.functional.pad(tensor, (0, width - tensor.shape[1]), value=value)

@@ -17,6 +17,7 @@ import torch
 
 from kvwise.core.secret_keys import namespace_key as default_namespace_key
 from kvwise.engine.config import CacheConfig
+from kvwise.engine.context_pass import plan_context_passes
 from kvwise.engine.detokenizer import IncrementalText
 from kvwise.engine.kv_manager import KVCacheManager
 from kvwise.engine.kv_settings import KVSettings
@@ -154,9 +155,20 @@ class EngineCore:
         index: int = 0,
         tenant: str = "default",
         kv: KVSettings | None = None,
+        compress_upto: int | None = None,
     ):
-        """kv: the request's own eviction of its private tokens (shared prefixes stay intact)."""
+        """kv: the request's own eviction of its private tokens (shared prefixes stay intact).
+        compress_upto: its ratio compresses the first `compress_upto` tokens (a document) as soon
+        as they are computed, before the rest of the prompt (the question) is read: query-agnostic
+        compression. Default: the whole prompt when its prefill ends."""
         self.check_fits(len(token_ids), params.max_tokens)
+        if compress_upto is not None:
+            if kv is None or kv.ratio <= 0 or not kv.evicts:
+                raise ValueError("compress_upto needs KVSettings with an evicting policy and a ratio above 0")
+            if not 1 <= compress_upto <= len(token_ids):
+                raise ValueError(
+                    f"compress_upto must be between 1 and the prompt's {len(token_ids)} tokens, got {compress_upto}"
+                )
         if kv is not None and kv.evicts and self.sliding_layers:
             raise ValueError("per-request KV eviction is not supported on models with sliding-window layers")
         if kv is not None and kv.quant is not None:  # caught here, not inside a batched step
@@ -170,6 +182,7 @@ class EngineCore:
             generator=None if seed is None else torch.Generator(self.model.device).manual_seed(seed),
             logprobs=[] if params.logprobs is not None else None,
             kv=kv if kv is not None and kv.active else None,
+            compress_upto=compress_upto,
         )
 
     def add(self, request: Request) -> None:
@@ -200,7 +213,7 @@ class EngineCore:
             self.logits_observer(chunks, output.logits)
         record = StepRecord(self.steps, [(c.request.request_id, c.request.tenant, c.start, c.end) for c in step.chunks])
         self.step_log.append(record)
-        failed += self._settle_memory(output)
+        failed += self._settle_memory(output, failed)
         events = self._postprocess(chunks, output.logits, failed)
         record.tier_seconds = self.kv.prefix_stats.seconds_in_tiers - tier_seconds
         return events
@@ -213,13 +226,52 @@ class EngineCore:
             f"{len(self.scheduler.waiting)} waiting requests do not fit {self.kv.pool.num_blocks} blocks"
         )
 
-    def _settle_memory(self, output: ForwardOutput) -> list:
-        """After the forward: the peak is recorded, evicted tokens' blocks go back to the pool and
-        settled blocks are quantized. Returns [(request, error)] for quantizations that raised."""
+    def _settle_memory(self, output: ForwardOutput, failed: list) -> list:
+        """After the forward: KVzip's reconstruction passes run, the peak is recorded, evicted
+        tokens move to head pages (their blocks back to the pool) and settled blocks are
+        quantized. Returns [(request, error)] for the requests whose part of this raised."""
+        troubled = {id(request) for request, _ in failed}
+        compactions = [c for c in output.compactions if id(c.request) not in troubled]
+        errors = self._run_context_passes([c for c in compactions if c.needs_context_pass])
         self.kv.record_peak()
-        for compaction in output.compactions:
-            self.kv.apply_compaction(compaction.request, compaction)
-        return self.kv.quantize_settled(self.scheduler.running)
+        troubled |= {id(request) for request, _ in errors}
+        for compaction in compactions:
+            if id(compaction.request) in troubled:
+                continue
+            try:
+                self.kv.apply_compaction(compaction.request, compaction)
+            except Exception as error:  # noqa: BLE001 - that request alone fails
+                errors.append((compaction.request, error))
+        return errors + self.kv.quantize_settled([r for r in self.scheduler.running if id(r) not in troubled])
+
+    def _run_context_passes(self, compactions: list) -> list:
+        """One forward for every KVzip reconstruction pass of this step (each alone if that
+        fails). Returns [(request, error)]."""
+        if not compactions:
+            return []
+        try:
+            self._context_pass(compactions)
+            return []
+        except Exception as error:  # noqa: BLE001 - find whose pass it was
+            if len(compactions) == 1:
+                return [(compactions[0].request, error)]
+        errors = []
+        for compaction in compactions:
+            compaction.scores.clear()
+            try:
+                self._context_pass([compaction])
+            except Exception as error:  # noqa: BLE001
+                errors.append((compaction.request, error))
+        return errors
+
+    def _context_pass(self, compactions: list) -> None:
+        passes, borrowed = plan_context_passes(compactions, self.kv, self.tokenizer)
+        try:
+            self.runner.forward([p.chunk for p in passes], passes)
+            self.kv.record_peak()
+        finally:
+            if borrowed:
+                self.kv.pool.release(borrowed)
 
     def _postprocess(self, chunks, logits, failed: list) -> list[TokenEvent]:
         """Sample after each chunk that reaches its request's prefill target (the prompt, or prompt

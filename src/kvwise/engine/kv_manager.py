@@ -10,7 +10,8 @@ nano-vllm's block manager, so nothing fails halfway:
     free(request)                       give everything back (device, quantized, host copy, locks)
     cache_prompt(request, upto)         publish its computed full blocks to the prefix cache
     can_swap_out / swap_out, can_swap_in / swap_in      preemption to host memory and back
-    plan_compactions(chunks), apply_compaction(request, compaction)   per-request eviction
+    plan_compactions(chunks), apply_compaction(request, compaction)   per-request eviction into
+                                        head pages (each KV head keeps its own tokens)
     quantize_settled(requests)          per-request kv_quant of settled private blocks
     stats() -> KVStats                  what the metrics and benches report
 
@@ -30,15 +31,16 @@ import torch
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.radix import RadixCache
 from kvwise.engine.block_table import BlockTable, Place
-from kvwise.engine.compaction import Compaction
+from kvwise.engine.compaction import Compaction, PrivateKV, read_cells
 from kvwise.engine.config import CacheConfig
+from kvwise.engine.head_pages import HeadPages
+from kvwise.engine.head_region import HeadRegion
 from kvwise.engine.kv_stats import KVStats, TierUsage
 from kvwise.engine.namespaces import default_namespace
 from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.request import Request
 from kvwise.engine.swap import HostSwap
 from kvwise.kv.paged import PagedKVStorage
-from kvwise.policies.selection import kept_per_head
 from kvwise.tiers.base import Tier
 from kvwise.tiers.prefix_tiers import PrefixTiers, ReuseStats
 
@@ -64,6 +66,8 @@ class KVCacheManager:
         self.namespace_of = namespace_of if namespace_of is not None else default_namespace("m")
         self.block_size = pool.block_size
         self.quant_pools: dict[str, QuantPool] = {}  # per quantizer spec, made when first asked for
+        self.head_pages = HeadPages(pool, storage) if storage is not None else None
+        self.rotate_queries = None  # the model's query rotation, for scorers that move queries (KVzip self)
         self.prefix_stats = tiers.stats if tiers is not None else ReuseStats()  # tier hits, spills, time
         self.recomputed_blocks = 0
         self.peak_blocks = 0
@@ -73,6 +77,7 @@ class KVCacheManager:
     def for_model(cls, model, config: CacheConfig, tiers: Sequence[Tier] = ()) -> KVCacheManager:
         """Pool, storage (on the model's device, in its dtype), tree, swap space and tiers for `model`."""
         from kvwise.hf.geometry import kv_geometry
+        from kvwise.hf.rope import query_rotator
 
         if tiers and not config.prefix_caching:
             raise ValueError("prefix tiers hold evicted prefix-cache blocks: they need prefix_caching=True")
@@ -100,6 +105,7 @@ class KVCacheManager:
         namespace_of = default_namespace(shape.model_id, str(shape.dtype), b"", config.block_size)
         manager = cls(pool, tree, namespace_of, storage=storage, swap=swap, tiers=prefix_tiers)
         manager.geometry = shape
+        manager.rotate_queries = query_rotator(model)
         return manager
 
     @property
@@ -192,6 +198,13 @@ class KVCacheManager:
                     return
         request.blocks.append(self.pool.allocate(needed))
 
+    def can_borrow(self, blocks: int) -> bool:
+        """Whether `blocks` device blocks can be had for a moment (a context pass), after evicting
+        unlocked cached prefixes."""
+        if not self.pool.can_allocate(blocks) and self.tree is not None:
+            self.tree.evict(blocks - self.pool.num_free)
+        return self.pool.can_allocate(blocks)
+
     def fit_tokens(self, request: Request) -> int:
         """The most tokens `request` can hold with its blocks and the free ones."""
         return (len(request.blocks) + self.pool.num_free) * self.block_size + request.kv_offset
@@ -202,7 +215,8 @@ class KVCacheManager:
         layout after eviction goes too and the blocks count as recomputed."""
         if recompute:
             self.recomputed_blocks += len(request.blocks)
-            request.kv_offset, request.compacted_positions = 0, None
+            request.kv_offset = 0
+        self._release_region(request)
         if request.swapped is not None:
             self.swap.drop(request.swapped)
             request.swapped = None
@@ -222,12 +236,36 @@ class KVCacheManager:
         if quantized:
             self.quant_pools[request.kv.quant].release(quantized)
 
+    def _release_region(self, request: Request) -> None:
+        """Its head pages back (zeroed), with its running statistics."""
+        if request.region is not None:
+            for heads in request.region.pages:
+                self.head_pages.release([page for pages in heads for page in pages])
+        request.region, request.kv_stats = None, None
+
+    def request_bytes(self, request: Request) -> int:
+        """The KV bytes `request` holds: its device blocks (a shared prefix included), head pages
+        and quantized blocks."""
+        table = request.blocks
+        held = table.count(Place.DEVICE) * self.storage.nbytes() // self.pool.num_blocks
+        if request.region is not None:
+            held += request.region.num_pages * self.head_pages.page_bytes
+        if table.count(Place.QUANTIZED):
+            held += table.count(Place.QUANTIZED) * self.quant_pools[request.kv.quant].block_bytes
+        return held
+
     # ---- host swap ---------------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
         """A swap space with room for all of the request's blocks, all on the device (quantized
-        blocks are recomputed instead)."""
+        blocks and head pages are recomputed instead)."""
         table = request.blocks
-        return self.swap is not None and bool(table) and table.all_in(Place.DEVICE) and self.swap.can_hold(len(table))
+        return (
+            self.swap is not None
+            and bool(table)
+            and request.region is None
+            and table.all_in(Place.DEVICE)
+            and self.swap.can_hold(len(table))
+        )
 
     def swap_out(self, request: Request) -> bool:
         """Copy the request's KV to host memory and free its device blocks and locks; its table
@@ -266,36 +304,99 @@ class KVCacheManager:
         return True
 
     # ---- per-request eviction ----------------------------------------------------------------------
-    def plan_compactions(self, chunks) -> dict[int, int]:
-        """{id(chunk): tokens per head to keep} for requests whose KVSettings evict this step:
-        once when the prompt's last chunk is computed (ratio, `kept_per_head`), and whenever
-        decoding has grown the private tokens a block past max_kv_tokens."""
-        plans = {}
+    def plan_compactions(self, chunks) -> list[Compaction]:
+        """The evictions to score in this step's forward, for requests whose KVSettings evict: the
+        ratio once, when the chunk reaching its compression point is computed; the cap
+        (max_kv_tokens) whenever a head would hold a block more than it; and, for policies with
+        running statistics under a cap, an observation every step (nothing evicted)."""
+        plans = []
         for chunk in chunks:
-            request = chunk.request
-            settings = request.kv
+            request, settings = chunk.request, chunk.request.kv
             if settings is None or not settings.evicts:
                 continue
-            private = chunk.end - request.kv_offset - request.reused  # private KV slots after this chunk
-            keep = private
-            if chunk.end == request.prefill_target and settings.ratio > 0:
-                keep = kept_per_head(private, settings.ratio)
+            private = self._private(request, chunk.end)
+            region = request.region
+            held = (region.longest() if region is not None else 0) + len(private.tail_slots)
+            ratio_now = settings.ratio > 0 and chunk.end == request.compression_point
             cap = settings.max_kv_tokens
-            if cap is not None and (keep > cap + self.block_size or (keep < private and keep > cap)):
-                keep = cap
-            if keep < private:
-                plans[id(chunk)] = keep
+            cap_now = cap is not None and (held > cap + self.block_size or (ratio_now and held > cap))
+            observe = cap is not None and bool(settings.scorer.stat_names)
+            if not (ratio_now or cap_now or observe):
+                continue
+            first_head = (region.counts[0][0] if region is not None else 0) + len(private.tail_slots)
+            plans.append(
+                Compaction(
+                    request,
+                    settings.scorer,
+                    private,
+                    chunk.end,
+                    len(self.storage.keys),
+                    ratio=settings.ratio,
+                    ratio_tokens=first_head if ratio_now else None,
+                    cap=cap if cap_now else None,
+                    rotate_queries=self.rotate_queries,
+                    chunk=chunk,
+                )
+            )
         return plans
 
+    def _private(self, request: Request, end: int) -> PrivateKV:
+        """The request's private KV once the tokens before position `end` are computed."""
+        device = self.storage.keys[0].device
+        indices = torch.arange(request.reused, end - request.kv_offset, device=device)
+        blocks = torch.tensor(request.blocks.block_ids, dtype=torch.long, device=device)
+        slots = blocks[indices // self.block_size] * self.block_size + indices % self.block_size
+        return PrivateKV(
+            request.region,
+            slots,
+            indices + request.kv_offset,
+            self.head_pages.kv_heads,
+            self.pool.num_blocks * self.block_size,
+            request.kv_stats,
+        )
+
     def apply_compaction(self, request: Request, compaction: Compaction) -> None:
-        """After the forward that evicted: the kept tokens' positions are recorded and the blocks
-        past them go back to the pool (real bytes freed)."""
-        layers = range(len(self.storage.keys))
-        request.compacted_positions = torch.stack([compaction.kept_positions[layer] for layer in layers])
-        kv_tokens = request.reused + compaction.keep
-        request.kv_offset = compaction.end - kv_tokens
-        tail = request.blocks.cut(-(-kv_tokens // self.block_size))
-        self._release(request, tail)
+        """After the forward (and any context pass): the kept tokens of each (layer, KV head) move
+        to head pages, and the blocks and pages they came from go back (zeroed). Every private
+        token is then in the region; the tail starts empty at the end of the compaction."""
+        if compaction.ratio_tokens is None and compaction.cap is None:  # an observation only
+            request.kv_stats = [compaction.stats[layer] for layer in range(compaction.num_layers)]
+            return
+        if request.reused % self.block_size:
+            raise RuntimeError("a shared prefix must end on a block boundary to evict after it")
+        kept = [self._gather_kept(compaction, layer, mask) for layer, mask in enumerate(compaction.kept())]
+        self._release_region(request)
+        self._release(request, request.blocks.cut(request.reused // self.block_size))
+        request.region = self._write_region(kept)
+        request.kv_stats = [stats for *_, stats in kept] if request.kv.scorer.stat_names else None
+        request.kv_offset = compaction.end - request.reused
+
+    def _gather_kept(self, compaction: Compaction, layer: int, keep: torch.Tensor):
+        """(counts per head, keys and values [kept, head_dim] head by head, positions
+        [kv_heads, most kept] (-1 in padding), statistics) of one layer's kept tokens."""
+        cells, valid, positions = compaction.private.layer(layer)
+        keep = keep & valid
+        counts = keep.sum(dim=-1)  # [kv_heads]
+        # kept rows first, each head's in their original order: True sorts first under a stable sort
+        order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[:, : int(counts.max())]
+        rows = torch.arange(order.shape[1], device=order.device)[None, :] < counts[:, None]
+        keys, values = read_cells(self.storage, cells.gather(1, order)[rows])
+        stats = {name: stat.gather(1, order) * rows for name, stat in compaction.stats.get(layer, {}).items()}
+        return counts.tolist(), keys, values, positions.gather(1, order).masked_fill(~rows, -1), stats
+
+    def _write_region(self, kept) -> HeadRegion:
+        pages, cells, valid = [], [], []
+        all_keys, all_values = self.storage.cells()
+        for counts, keys, values, _, _ in kept:
+            layer_pages = [self.head_pages.allocate(-(-count // self.block_size)) for count in counts]
+            layer_cells, layer_valid = self.head_pages.cells(layer_pages, counts, keys.device)
+            all_keys[layer_cells[layer_valid]] = keys
+            all_values[layer_cells[layer_valid]] = values
+            pages.append(layer_pages)
+            cells.append(layer_cells)
+            valid.append(layer_valid)
+        counts = [counts for counts, *_ in kept]
+        return HeadRegion(pages, counts, cells, valid, [positions for _, _, _, positions, _ in kept])
 
     # ---- per-request quantization ------------------------------------------------------------------
     def quant_pool(self, name: str) -> QuantPool:
@@ -310,6 +411,8 @@ class KVCacheManager:
         for request in list(requests):
             if request.kv is None or request.kv.quant is None or request.prefilling:
                 continue
+            if request.kv.max_kv_tokens is not None:
+                continue  # its tail is read again by the next eviction
             try:
                 self._quantize(request)
             except Exception as error:  # noqa: BLE001 - that request alone fails
@@ -351,6 +454,8 @@ class KVCacheManager:
             prefix_evictions=self.tree.evictions if self.tree is not None else 0,
             prefix_spilled_blocks=self.prefix_stats.spilled_blocks,
             quantized_bytes=sum(quant.used_bytes() for _, quant in quant_pools),
+            head_page_bytes=self.head_pages.used_pages * self.head_pages.page_bytes if self.head_pages else 0,
+            head_page_blocks=self.head_pages.held_blocks if self.head_pages else 0,
             quantization_errors={
                 name: (quant.mean_error("keys"), quant.mean_error("values")) for name, quant in quant_pools
             },

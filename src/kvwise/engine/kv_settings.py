@@ -2,18 +2,20 @@
 
     SamplingParams(...) plus KVSettings(policy="snapkv", ratio=0.5, max_kv_tokens=256)
 
-- `policy` + `ratio`: when the prompt's prefill ends, the policy scores the request's private
-  prompt tokens (everything after the prefix it reused from the cache) and each KV head keeps
-  the best (1 - ratio) of them; the freed blocks go back to the pool, zeroed.
-- `max_kv_tokens`: during decoding, whenever the private tokens exceed it by a block, the
-  policy evicts down to it again.
+- `policy` + `ratio`: when the prompt's prefill ends (or, query-agnostic, once the request's
+  `compress_upto` leading tokens are computed), the policy scores the request's private tokens
+  (everything after the prefix it reused from the cache) and keeps (1 - ratio) of them, with the
+  library path's budgets: the same number per head, per-layer weights (PyramidKV), shared by the
+  heads of a layer (Ada-KV) or by every head of every layer (KVzip, after its reconstruction
+  pass). Each (layer, KV head) keeps its own tokens in head pages; the blocks they came from go
+  back to the pool, zeroed.
+- `max_kv_tokens`: whenever a head's private tokens exceed it by a block, the policy evicts down
+  to it again (H2O and Scissorhands keep their running statistics per request meanwhile).
 - `quant` (kivi2, kivi4, int8, fp8): once the prefill is done, full private blocks outside the
   quantizer's residual window (and the first, sink block) are stored quantized (`QuantPool`).
 
 Shared prefix blocks are never touched, and a request with settings never publishes its
 private blocks to the prefix cache (they hold its compressed state, not the prompt's).
-The engine supports policies that give every head the same budget from the tokens it holds
-(no two-pass KVzip, no layer- or globally-shared budgets, no running statistics).
 """
 
 from __future__ import annotations
@@ -46,14 +48,6 @@ class KVSettings:
                     "max_kv_tokens cannot be combined with kv_quant in the engine (quantized blocks are final)"
                 )
         self.scorer = make_policy(self.policy)
-        reasons = {
-            "needs a second pass over the context": self.scorer.needs_context_pass,
-            "moves budget between heads or layers": self.scorer.budget_scope != "head",
-            "keeps running statistics": bool(self.scorer.stat_names),
-        }
-        for reason, applies in reasons.items():
-            if applies:
-                raise ValueError(f"policy {self.policy!r} {reason}, which the engine's per-request KV does not support")
 
     @property
     def evicts(self) -> bool:

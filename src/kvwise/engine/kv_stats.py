@@ -37,6 +37,8 @@ class KVStats:
     swapped_out_blocks: int
     swapped_in_blocks: int
     recomputed_blocks: int  # device blocks dropped by recompute preemptions
+    head_page_bytes: int = 0  # head pages in use (evicted requests' regions), keys and values
+    head_page_blocks: int = 0  # device blocks cut into head pages (counted in used_blocks)
     tiers: tuple[TierUsage, ...] = field(default_factory=tuple)
 
     @property

@@ -43,10 +43,16 @@ class Request:
     locked_nodes: list[Node] = field(default_factory=list)
     reserved: bool = False  # its first private allocation is made (whole or step by step)
     kv: Any = None  # KVSettings: its own eviction of private tokens, or None
-    kv_offset: int = 0  # tokens evicted: a token at position p sits at KV index p - kv_offset
+    # after an eviction its private tokens are in `region` (head pages), and a token at position p
+    # computed since sits at KV index p - kv_offset of its block table (the tail, after the prefix)
+    kv_offset: int = 0
+    region: Any = None  # HeadRegion: what each (layer, KV head) kept of its private tokens, or None
+    kv_stats: Any = None  # running statistics of its policy (H2O, Scissorhands) per layer, or None
+    # the prompt's first compress_upto tokens are compressed once computed, before the rest is read
+    # (query-agnostic: a document compressed without the question after it); None: at prefill's end
+    compress_upto: int | None = None
     recompute_to: int | None = None  # set by a recompute preemption: len(tokens) then
     swapped: Any = None  # SwappedKV while preempted to host memory
-    compacted_positions: Any = None  # [layers, kv_heads, n] original positions of the compacted private slots
     preemptions: int = 0
     skipped_steps: int = 0  # steps in a row its prefill got no tokens (the scheduler's anti-starvation)
     index: int = 0  # which of the prompt's `n` completions this is
@@ -69,6 +75,11 @@ class Request:
         """Tokens to compute before sampling: the prompt, or after a recompute preemption the
         prompt and the output so far (the output is kept, so streams never repeat)."""
         return len(self.prompt) if self.recompute_to is None else self.recompute_to
+
+    @property
+    def compression_point(self) -> int:
+        """The position after the last token its ratio compresses (see `compress_upto`)."""
+        return self.prefill_target if self.compress_upto is None else self.compress_upto
 
     @property
     def prefilling(self) -> bool:

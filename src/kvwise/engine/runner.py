@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvwise.engine.block_table import Place
-from kvwise.engine.compaction import Compaction
+from kvwise.engine.compaction import Compaction, read_cells
 from kvwise.engine.cpu_kernel import paged_decode_kernel, small_linear_kernel
 from kvwise.engine.cpu_linear import SmallRowLinears
 from kvwise.engine.quant_pool import QuantPool
@@ -56,6 +56,7 @@ class AttentionGroup:
     causal: bool = False
     first_block: int | None = None  # one chunk whose blocks are consecutive: read them as a slice
     mixed: MixedBlocks | None = None  # one chunk whose table holds quantized blocks
+    region: object = None  # one chunk whose request holds a HeadRegion: read before its blocks
     lengths: torch.Tensor | None = None  # [C] int64: CPU-kernel decode group, chunk c sees keys < lengths[c]
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -102,7 +103,7 @@ class StepLayout:
     storage: PagedKVStorage
     slots: torch.Tensor
     groups: list[AttentionGroup]
-    compactions: list[Compaction] = field(default_factory=list)
+    compactions: list = field(default_factory=list)  # Compaction, ContextPass: `apply` after each layer
     decode_kernel: object = None  # cpu_kernel.paged_decode_kernel(), for groups with `lengths`
 
 
@@ -151,6 +152,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         mask, causal = group.mask, group.causal
         if window is not None and window < group.keys_per_chunk:
             mask, causal = group.window_mask(window), False
+        if group.region is not None:
+            keys, values, mask = _with_region(group.region, storage, layer, keys, values, mask, causal, query.shape[1])
+            causal = False
         output = _attend(
             queries,  # [C, heads, queries per chunk, dim]
             keys.transpose(1, 2),  # [C, kv_heads, keys, dim]
@@ -164,6 +168,25 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     for compaction in layout.compactions:  # after attention: this forward's queries saw every token
         compaction.apply(storage, layer, query, scaling)
     return torch.cat(outputs)[None], None  # [1, T, heads, dim]
+
+
+def _with_region(region, storage, layer, keys, values, mask, causal: bool, num_heads: int):
+    """One chunk's keys, values [1, K, kv_heads, dim] with its region's rows put first, and the
+    mask [1, num_heads, queries, R + K] bool: each head sees its own region rows, then the blocks
+    as before (causal, or `mask` [1, 1, queries, K])."""
+    region_keys, region_values = read_cells(storage, region.cells[layer])  # [kv_heads, R, dim]
+    keys = torch.cat([region_keys.transpose(0, 1)[None], keys], dim=1)
+    values = torch.cat([region_values.transpose(0, 1)[None], values], dim=1)
+    width, blocks = region_keys.shape[1], keys.shape[1] - region_keys.shape[1]
+    queries = mask.shape[2] if mask is not None else None
+    if mask is None:
+        queries = blocks if causal else 1
+        ones = torch.ones(queries, blocks, dtype=torch.bool, device=keys.device)
+        mask = (ones.tril() if causal else ones)[None, None]
+    heads_per_kv = num_heads // region.valid[layer].shape[0]
+    seen = region.valid[layer].repeat_interleave(heads_per_kv, dim=0)  # [num_heads, R]
+    region_mask = seen[None, :, None, :].expand(1, num_heads, queries, width)
+    return keys, values, torch.cat([region_mask, mask.expand(1, num_heads, queries, blocks)], dim=-1)
 
 
 @contextlib.contextmanager
@@ -238,24 +261,25 @@ class ModelRunner:
         self.small_row_linears = SmallRowLinears(model, linear) if linear is not None else None
 
     @torch.no_grad()
-    def forward(self, chunks: list[Chunk], compact: dict[int, int] | None = None) -> ForwardOutput:
+    def forward(self, chunks: list[Chunk], compactions: list | None = None) -> ForwardOutput:
         """Compute the chunks' tokens: the logits after each chunk's last token, and the compactions.
 
-        compact: {id(chunk): tokens per head to keep} for requests whose private KV is evicted in
-        this forward (their KVSettings, `KVCacheManager.plan_compactions`).
+        compactions: what to score after each layer for some of the chunks (`Compaction` from
+        `KVCacheManager.plan_compactions`, or a `ContextPass`), each naming its `chunk`; the
+        runner tells each where its chunk's queries are in the flat step.
         """
         device = self.model.device
         decodes = [c for c in chunks if c.end - c.start == 1]
-        plain = [c for c in decodes if not _has_quantized(c.request)]
+        plain = [c for c in decodes if not _own_group(c.request)]
         # the kernel pads nothing, so all plain decodes form one group; SDPA pads each group to its
         # longest row, so it gets buckets of similar lengths
         plain_groups = [plain] if self.decode_kernel and plain else decode_buckets(plain, self.block_size)
-        buckets = plain_groups + [[c] for c in decodes if _has_quantized(c.request)]
+        buckets = plain_groups + [[c] for c in decodes if _own_group(c.request)]
         prefills = [c for c in chunks if c.end - c.start > 1]
         ordered = [chunk for bucket in buckets for chunk in bucket] + prefills  # the flat token order
         layout = self._layout(buckets, prefills, device)
         layout.decode_kernel = self.decode_kernel
-        layout.compactions = self._compactions(ordered, compact or {}, device)
+        layout.compactions = _place(compactions or [], ordered)
         ids = torch.tensor([[t for c in ordered for t in c.request.tokens[c.start : c.end]]], device=device)
         positions = torch.tensor([[p for c in ordered for p in range(c.start, c.end)]], device=device)
         last = torch.tensor([c.end - c.start for c in ordered], device=device).cumsum(0) - 1
@@ -295,13 +319,22 @@ class ModelRunner:
         ]
         ends = torch.tensor(ends, device=device)
         blocks, positions = torch.tensor(table, device=device), (ends - 1)[:, None]
-        if self.decode_kernel is not None and not any(_has_quantized(c.request) for c in chunks):
+        if self.decode_kernel is not None and not any(_own_group(c.request) for c in chunks):
             return AttentionGroup(first, first + len(chunks), len(chunks), blocks, 0, None, positions, lengths=ends)
         mask = torch.arange(max_blocks * block, device=device)[None, :] < ends[:, None]  # [C, keys]
         if len(chunks) == 1:
             mixed = self._mixed(chunks[0].request, table, device)
             return AttentionGroup(
-                first, first + 1, 1, blocks, int(ends[0]), None, positions, first_block=_run_start(table), mixed=mixed
+                first,
+                first + 1,
+                1,
+                blocks,
+                int(ends[0]),
+                None,
+                positions,
+                first_block=_run_start(table),
+                mixed=mixed,
+                region=chunks[0].request.region,
             )
         return AttentionGroup(
             first, first + len(chunks), len(chunks), blocks, max_blocks * block, mask[:, None, None], positions
@@ -316,13 +349,33 @@ class ModelRunner:
         last = first + end - start
         query_positions = torch.arange(start, end, device=device)
         mixed = self._mixed(chunk.request, table, device)
+        region = chunk.request.region
         if start == 0:
             return AttentionGroup(
-                first, last, 1, blocks, end, None, query_positions[None], causal=True, first_block=run, mixed=mixed
+                first,
+                last,
+                1,
+                blocks,
+                end,
+                None,
+                query_positions[None],
+                causal=True,
+                first_block=run,
+                mixed=mixed,
+                region=region,
             )
         mask = torch.arange(end, device=device)[None, :] <= query_positions[:, None]  # [queries, keys]
         return AttentionGroup(
-            first, last, 1, blocks, end, mask[None, None], query_positions[None], first_block=run, mixed=mixed
+            first,
+            last,
+            1,
+            blocks,
+            end,
+            mask[None, None],
+            query_positions[None],
+            first_block=run,
+            mixed=mixed,
+            region=region,
         )
 
     def _mixed(self, request, table: list[int], device) -> MixedBlocks | None:
@@ -341,38 +394,22 @@ class ModelRunner:
             len(table),
         )
 
-    def _compactions(self, ordered: list[Chunk], compact: dict[int, int], device) -> list[Compaction]:
-        """What to evict in this forward: each chunk's private region [reused, end) in KV slots."""
-        plans, first = [], 0
-        layers, heads = len(self.storage.keys), self.storage.keys[0].shape[2]
-        for chunk in ordered:
-            length = chunk.end - chunk.start
-            if id(chunk) in compact:
-                request, end = chunk.request, _kv_span(chunk)[1]
-                settled = 0 if request.compacted_positions is None else request.compacted_positions.shape[-1]
-                fresh = torch.arange(request.reused + settled, end, device=device) + request.kv_offset
-                positions = fresh.expand(layers, heads, -1)
-                if settled:
-                    positions = torch.cat([request.compacted_positions, positions], dim=-1)
-                slots = torch.tensor([self._slot(request, i) for i in range(request.reused, end)], device=device)
-                plans.append(
-                    Compaction(
-                        request,
-                        request.kv.scorer,
-                        slots,
-                        positions,
-                        first,
-                        first + length,
-                        compact[id(chunk)],
-                        chunk.end,
-                    )
-                )
-            first += length
-        return plans
+
+def _place(compactions: list, ordered: list[Chunk]) -> list:
+    """Tell each compaction where its chunk's queries are in the flat step."""
+    first, span = 0, {}
+    for chunk in ordered:
+        span[id(chunk)] = (first, first + chunk.end - chunk.start)
+        first += chunk.end - chunk.start
+    for compaction in compactions:
+        compaction.first, compaction.last = span[id(compaction.chunk)]
+    return compactions
 
 
-def _has_quantized(request) -> bool:
-    return request.kv is not None and request.kv.quant is not None and Place.QUANTIZED in request.blocks.places
+def _own_group(request) -> bool:
+    """Its decode attends alone: quantized blocks or a head region to read besides its table."""
+    quantized = request.kv is not None and request.kv.quant is not None and Place.QUANTIZED in request.blocks.places
+    return quantized or request.region is not None
 
 
 def _kv_span(chunk: Chunk) -> tuple[int, int]:

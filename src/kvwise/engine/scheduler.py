@@ -198,6 +198,8 @@ class Scheduler:
         if budget == 0 or request not in self.running:
             return budget
         end = min(request.prefill_target, request.computed + budget)
+        if request.compress_upto is not None and request.computed < request.compress_upto:
+            end = min(end, request.compress_upto)  # a chunk ends there: the document is compressed first
         if end > request.computed and not self._reserve(request, end, step):
             # a shorter chunk in the blocks that are free (the prefix cache gave up what it could)
             end = min(end, self.kv.fit_tokens(request))

@@ -80,7 +80,7 @@ def kv_geometry(model) -> KVGeometry:
             f"{type(model).__name__}: layers differ in KV heads or head size {sorted(shapes)}; "
             "kvwise's paged pool holds one shape for every layer"
         )
-    (num_kv_heads, head_dim), = shapes
+    ((num_kv_heads, head_dim),) = shapes
     model_id = weights_fingerprint(model)  # names the KV on every tier: the weights, not the path
     dtype = next(model.parameters()).dtype
     windows = tuple(seen[layer][2] for layer in range(layers))

@@ -1,6 +1,7 @@
 """`PagedKVStorage`: the engine's KV memory, one pool of fixed-size blocks per layer.
 
     keys[layer], values[layer]: [num_blocks, block_size, num_kv_heads, head_dim] on the model's device
+    (views of all_keys, all_values: [num_layers, num_blocks, block_size, num_kv_heads, head_dim])
 
 A token lives at slot `block * block_size + offset`; a sequence reads its blocks through a block
 table. Whole blocks move through one API, `read_blocks` / `write_blocks` (host swap, the prefix
@@ -28,10 +29,12 @@ class PagedKVStorage:
         dtype: torch.dtype = torch.float32,
         device: str | torch.device = "cpu",
     ):
-        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
-        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # one tensor for all layers, so that a cell index (`cells`) can name any layer's token
+        self.all_keys = torch.zeros(shape, dtype=dtype, device=device)
+        self.all_values = torch.zeros(shape, dtype=dtype, device=device)
+        self.keys, self.values = list(self.all_keys.unbind(0)), list(self.all_values.unbind(0))
 
     def attach(self, pool: BlockPool) -> None:
         """Zero blocks whenever `pool` frees them."""
@@ -65,6 +68,12 @@ class PagedKVStorage:
         """A sequence's blocks in order: keys, values [len(block_table) * block_size, num_kv_heads, head_dim]."""
         keys, values = self.keys[layer][block_table], self.values[layer][block_table]
         return keys.flatten(0, 1), values.flatten(0, 1)
+
+    def cells(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as [num_layers * num_blocks * block_size * num_kv_heads, head_dim] views:
+        cell ((layer * num_blocks + block) * block_size + offset) * num_kv_heads + head."""
+        dim = self.all_keys.shape[-1]
+        return self.all_keys.view(-1, dim), self.all_values.view(-1, dim)
 
     def zero(self, block_ids: list[int]) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.keys[0].device)

@@ -58,6 +58,7 @@ class ServerSettings:
     def metrics_keys(self) -> list[str]:
         admins = [key for key, entry in (self.api_keys or {}).items() if entry.admin]
         return admins + ([self.metrics_key] if self.metrics_key else [])
+
     disconnect_poll_seconds: float = 0.25
 
 

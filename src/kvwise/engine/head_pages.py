@@ -1,0 +1,115 @@
+"""Head pages: the device pool's blocks cut per (layer, KV head), for KV that heads hold unevenly.
+
+A device block holds `block_size` tokens of every KV head of every layer:
+
+    keys[layer][block]: [block_size, kv_heads, head_dim]
+
+Once a policy has evicted, heads keep different tokens and different numbers of them (Ada-KV,
+PyramidKV, KVzip). Keeping that in whole blocks would hold every head at the longest head's
+length. So a compressed region lives in pages instead: a page is one strip
+keys[layer][block, :, head] of `block_size` tokens, and each (layer, head) of a request owns its
+own list of pages. Any page can hold any layer's and any head's tokens (RoPE is in the keys, and
+the storage is one tensor for all layers), so a block's `layers x kv_heads` pages serve whoever
+needs them: PyramidKV's full lower layers and nearly empty upper ones waste nothing.
+
+`HeadPages` is a slab allocator over the `BlockPool`: it takes a whole block when it runs out of
+free pages and gives the block back (zeroed, through the pool's release hook) when none of its
+pages is in use. Released pages are zeroed at once, so nothing a request held outlives it.
+
+    page = (layer * num_blocks + block) * kv_heads + head
+    cell = ((layer * num_blocks + block) * block_size + offset) * kv_heads + head
+
+A cell indexes `PagedKVStorage.cells()`. A request wastes less than one page per (layer, KV head)
+on partly filled pages.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvwise.core.block_pool import BlockPool
+from kvwise.kv.paged import PagedKVStorage
+
+
+class HeadPages:
+    def __init__(self, pool: BlockPool, storage: PagedKVStorage):
+        self.pool, self.storage = pool, storage
+        self.block_size, self.num_blocks = pool.block_size, pool.num_blocks
+        self.kv_heads, self.head_dim = storage.keys[0].shape[2], storage.keys[0].shape[3]
+        self.num_layers = len(storage.keys)
+        self.free: dict[int, None] = {}  # free pages, in the order they became free (an ordered set)
+        self.pages_in_use: dict[int, int] = {}  # block -> its pages in use
+        element = storage.keys[0].element_size()
+        self.page_bytes = 2 * self.block_size * self.head_dim * element  # keys and values
+
+    @property
+    def used_pages(self) -> int:
+        return sum(self.pages_in_use.values())
+
+    @property
+    def held_blocks(self) -> int:
+        """Device blocks cut into pages (some of their pages may be free)."""
+        return len(self.pages_in_use)
+
+    def blocks_needed(self, pages: int) -> int:
+        """Device blocks that `allocate(pages)` would take from the pool."""
+        return -(-max(0, pages - len(self.free)) // (self.num_layers * self.kv_heads))
+
+    def _pages_of(self, block: int):
+        heads, blocks = self.kv_heads, self.num_blocks
+        return ((layer * blocks + block) * heads + head for layer in range(self.num_layers) for head in range(heads))
+
+    def allocate(self, count: int) -> list[int]:
+        """`count` pages (check `blocks_needed` against the pool first)."""
+        while len(self.free) < count:
+            block = self.pool.allocate(1)[0]
+            self.pages_in_use[block] = 0
+            self.free.update(dict.fromkeys(self._pages_of(block)))
+        taken = []
+        for _ in range(count):
+            page = next(iter(self.free))
+            del self.free[page]
+            self.pages_in_use[self._block(page)] += 1
+            taken.append(page)
+        return taken
+
+    def _block(self, page: int) -> int:
+        return page // self.kv_heads % self.num_blocks
+
+    def release(self, pages: list[int]) -> None:
+        """Zero `pages` and free them; a block none of whose pages is in use goes back to the pool."""
+        if not pages:
+            return
+        index = torch.tensor(pages, dtype=torch.long, device=self.storage.all_keys.device)
+        strips, heads = index // self.kv_heads, index % self.kv_heads
+        shape = (-1, *self.storage.all_keys.shape[2:])  # [layers * blocks, block_size, kv_heads, head_dim]
+        self.storage.all_keys.view(shape)[strips, :, heads] = 0
+        self.storage.all_values.view(shape)[strips, :, heads] = 0
+        self.free.update(dict.fromkeys(pages))
+        emptied = []
+        for page in pages:
+            block = self._block(page)
+            self.pages_in_use[block] -= 1
+            if self.pages_in_use[block] == 0:
+                emptied.append(block)
+        for block in emptied:
+            del self.pages_in_use[block]
+            for page in self._pages_of(block):
+                del self.free[page]
+        if emptied:
+            self.pool.release(emptied)
+
+    def cells(self, pages: list[list[int]], counts: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cells of one layer's region: pages[head] in order hold its first counts[head] tokens.
+        Returns cells [kv_heads, width] int64 (0 in padding) and valid [kv_heads, width] bool,
+        width = the longest head's count."""
+        width = max(counts, default=0)
+        offsets = torch.arange(width, device=device)
+        cells = torch.zeros(len(counts), width, dtype=torch.long, device=device)
+        for head, (head_pages, count) in enumerate(zip(pages, counts)):
+            if count == 0:
+                continue
+            page = torch.tensor(head_pages, dtype=torch.long, device=device)[offsets[:count] // self.block_size]
+            slot = (page // self.kv_heads) * self.block_size + offsets[:count] % self.block_size
+            cells[head, :count] = slot * self.kv_heads + page % self.kv_heads
+        return cells, offsets[None, :] < torch.tensor(counts, device=device)[:, None]

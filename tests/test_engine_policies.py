@@ -1,0 +1,149 @@
+"""Every registered policy in the serving engine, on head pages.
+
+For each policy: the budget each (layer, KV head) holds is the library path's, the blocks the
+evicted tokens used are really back in the pool, the kept tokens keep their original positions,
+and greedy output equals the library path's `KVWiseCache` with the same policy and ratio
+(`compress_context` on all but the last prompt token, then `generate`; in the engine the same
+through `compress_upto`).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvwise.engine.config import CacheConfig
+from kvwise.engine.core import EngineCore
+from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.sampling import SamplingParams
+from kvwise.hf.cache import KVWiseCache
+from kvwise.policies.registry import policy_classes
+from kvwise.policies.selection import head_budgets, kept_per_head
+from tests.conftest import random_ids
+
+pytestmark = pytest.mark.timeout(300)
+
+EVICTING = sorted(name for name, policy in policy_classes().items() if not policy.keeps_everything)
+PROMPT, NEW_TOKENS, RATIO, BLOCK = 61, 8, 0.6, 4
+
+
+def _engine(model, **config):
+    settings = dict(block_size=BLOCK, num_blocks=256, token_budget=256, prefix_caching=False)
+    return EngineCore(model, None, CacheConfig(**{**settings, **config}))
+
+
+def _run(core, requests, after_compaction=None):
+    for request in requests:
+        core.add(request)
+    while core.has_work:
+        core.step()
+        for request in requests:
+            if after_compaction and request.region is not None and not request.output[1:]:
+                after_compaction(request)
+
+
+def _library_tokens(model, ids, policy, quant=None):
+    cache = KVWiseCache(model, policy, RATIO, quant=quant)
+    cache.compress_context(ids[:, :-1])
+    out = model.generate(
+        ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, do_sample=False, min_new_tokens=NEW_TOKENS
+    )
+    return out[0, ids.shape[1] :].tolist()
+
+
+@pytest.mark.parametrize("policy", EVICTING)
+def test_every_policy_holds_its_budget_frees_blocks_and_matches_the_library(llama, policy):
+    ids = random_ids(1, PROMPT, seed=7)
+    core = _engine(llama)
+    layers, heads = core.kv.geometry.num_layers, core.kv.geometry.num_kv_heads
+    request = core.make_request(
+        ids[0].tolist(),
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        kv=KVSettings(policy, ratio=RATIO),
+        compress_upto=PROMPT - 1,
+    )
+    seen = {}
+
+    def check(request):
+        if seen:
+            return
+        region = request.region
+        seen["counts"] = [list(layer) for layer in region.counts]
+        seen["positions"] = [positions.clone() for positions in region.positions]
+        seen["pages"] = region.num_pages
+        seen["used_blocks"] = core.kv.pool.stats().used
+        seen["tail_blocks"] = len(request.blocks)
+        seen["bytes"] = core.kv.request_bytes(request)
+
+    _run(core, [request], after_compaction=check)
+    private = PROMPT - 1
+    counts = torch.tensor(seen["counts"])  # [layers, kv_heads]
+    scorer = KVSettings(policy, ratio=RATIO).scorer
+    per_head = kept_per_head(private, RATIO)
+    if scorer.budget_scope == "global":
+        assert int(counts.sum()) == per_head * layers * heads
+    elif scorer.budget_scope == "layer":
+        assert counts.sum(dim=1).tolist() == [per_head * heads] * layers
+    else:
+        budgets = [head_budgets(scorer, RATIO, [private], layer, layers)[0] for layer in range(layers)]
+        assert counts.tolist() == [[budget] * heads for budget in budgets]
+    # real memory: the pages hold exactly the kept tokens, rounded up to a page per head
+    assert seen["pages"] == sum(-(-count // BLOCK) for count in counts.flatten().tolist())
+    page_blocks = -(-seen["pages"] // (layers * heads))
+    assert seen["used_blocks"] <= page_blocks + seen["tail_blocks"]
+    full_blocks = -(-private // BLOCK)
+    assert seen["bytes"] < full_blocks * core.kv.storage.nbytes() // core.kv.pool.num_blocks
+    for layer, positions in enumerate(seen["positions"]):  # kept tokens sit at their own positions
+        for head in range(heads):
+            kept = positions[head, : seen["counts"][layer][head]]
+            assert kept.tolist() == sorted(set(kept.tolist())) and 0 <= int(kept.min()) and int(kept.max()) < private
+    assert request.output == _library_tokens(llama, ids, policy)
+    assert core.kv.pool.stats().used == 0 and core.kv.head_pages.used_pages == 0
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "adakv", "pyramidkv", "h2o", "kvzip"])
+def test_a_cap_during_decoding_keeps_each_head_at_most_the_cap(llama, policy):
+    ids = random_ids(1, 30, seed=3)[0].tolist()
+    core = _engine(llama, token_budget=64)
+    cap = 12
+    request = core.make_request(
+        ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), kv=KVSettings(policy, max_kv_tokens=cap)
+    )
+    core.add(request)
+    most = 0
+    while core.has_work:
+        core.step()
+        if not request.done:
+            tail = request.computed - request.kv_offset - request.reused
+            most = max(most, (request.region.longest() if request.region is not None else 0) + tail)
+    assert len(request.output) == 40
+    assert cap < most <= cap + BLOCK + 1  # evicted back to the cap whenever a block's worth piled up
+    assert core.kv.pool.stats().used == 0 and core.kv.head_pages.used_pages == 0
+
+
+def test_evicted_requests_beside_plain_ones_leave_the_plain_outputs_alone(llama):
+    prompts = [random_ids(1, n, seed=n)[0].tolist() for n in (40, 57, 33, 45)]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    plain_core = _engine(llama, token_budget=48)
+    plain = [plain_core.make_request(p, params) for p in prompts]
+    _run(plain_core, plain)
+    core = _engine(llama, token_budget=48)
+    settings = [None, KVSettings("kvzip", ratio=0.7), None, KVSettings("adakv", ratio=0.5)]
+    mixed = [core.make_request(p, params, kv=kv) for p, kv in zip(prompts, settings)]
+    _run(core, mixed)
+    assert [r.output for r in mixed[::2]] == [r.output for r in plain[::2]]
+    assert all(len(r.output) == 10 for r in mixed)
+    assert core.kv.pool.stats().used == 0
+
+
+def test_freed_pages_and_blocks_are_zeroed(llama):
+    core = _engine(llama)
+    request = core.make_request(
+        random_ids(1, 50, seed=5)[0].tolist(),
+        SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        kv=KVSettings("adakv", ratio=0.8),
+    )
+    _run(core, [request])
+    assert core.kv.pool.stats().used == 0
+    for keys, values in zip(core.kv.storage.keys, core.kv.storage.values):
+        assert not keys.any() and not values.any()

@@ -34,6 +34,11 @@ def add_bench_parsers(workloads) -> None:
     niah.add_argument("--mode", choices=["agnostic", "aware"], default="agnostic")
     niah.add_argument("--quant", default=None, help="also quantize what each policy keeps: kivi2, kivi4, int8, fp8")
     niah.add_argument("--model", default=None)
+    niah.add_argument(
+        "--engine",
+        action="store_true",
+        help="run the trials through the serving engine (kvwise.LLM), bytes from its pool",
+    )
     niah.add_argument("--seed", type=int, default=0)
     niah.add_argument("--out", type=Path, default=Path("results"))
     niah.add_argument("--quick", action="store_true", help="a small grid: L=1000, 3 depths, 1 trial each")
@@ -201,7 +206,7 @@ def _override(config, args, options) -> None:
 def _niah(args) -> None:
     from kvwise.bench.niah import NiahConfig, run_niah
 
-    config = NiahConfig(mode=args.mode, model=args.model, seed=args.seed, quant=args.quant)
+    config = NiahConfig(mode=args.mode, model=args.model, seed=args.seed, quant=args.quant, engine=args.engine)
     if args.quick:
         config.lengths, config.depths, config.trials_per_depth = [1000], [0.0, 0.5, 1.0], 1
     options = ("policies", "ratios", "lengths", "depths", "trials_per_depth", "haystack_dir", "needle", "question")

@@ -48,6 +48,7 @@ class NiahConfig:
     question: str = DEFAULT_QUESTION
     answer_prefix: str = DEFAULT_ANSWER_PREFIX
     quant: str | None = None  # a quantizer for every cell: evict with the policy, then quantize
+    engine: bool = False  # through the serving engine (kvwise.LLM) instead of the library's cache
 
     def __post_init__(self):
         if self.mode not in ("agnostic", "aware"):
@@ -115,6 +116,21 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
     prompts = {trial: builder.build(trial) for trial in trials}
     longest = max(p.context_ids.shape[1] + p.question_ids.shape[1] for p in prompts.values()) + NUM_NEW_TOKENS
     KVWiseCache(model).check_length(longest)  # fail before any trial runs, naming the maximum
+    if config.engine:
+        from kvwise.bench.niah_engine import engine_for, run_engine_trial
+
+        llm = engine_for(model, tokenizer, longest)
+
+        def trial_runner(prompt, name, ratio, mode, quant=None):
+            measured = run_engine_trial(llm, prompt, name, ratio, mode, NUM_NEW_TOKENS, quant)
+            measured["full_kv_bytes"] = full_kv_bytes(model, measured["compressed_tokens"], model.dtype.itemsize)
+            measured["full16_kv_bytes"] = full_kv_bytes(model, measured["compressed_tokens"], 2)
+            return measured
+    else:
+
+        def trial_runner(prompt, name, ratio, mode, quant=None):
+            return run_trial(model, tokenizer, prompt, name, ratio, mode, quant)
+
     out_dir.mkdir(parents=True, exist_ok=True)
     partial_path = out_dir / "niah.partial.jsonl"
     done = _load_partial(partial_path, config) if resume else {}
@@ -122,14 +138,14 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
         partial_path.unlink()
     work = [(name, ratio, trial) for name, ratio in config.cells() for trial in trials]
     # Warm-up: the first forward pays one-time costs that would bias the first trial.
-    run_trial(model, tokenizer, prompts[trials[0]], "full", 0.0, config.mode)
+    trial_runner(prompts[trials[0]], "full", 0.0, config.mode)
     with partial_path.open("a") as partial, tqdm(total=len(work), desc="niah", unit="trial") as progress:
         if not done:
             partial.write(json.dumps({"config": asdict(config)}) + "\n")
         for name, ratio, trial in work:
             key = (name, ratio, trial.length, trial.depth, trial.trial)
             if key not in done:
-                measured = run_trial(model, tokenizer, prompts[trial], name, ratio, config.mode, config.quant)
+                measured = trial_runner(prompts[trial], name, ratio, config.mode, config.quant)
                 row = {
                     "policy": name,
                     "ratio": ratio,
@@ -139,6 +155,7 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
                     "key": trial.key,
                     "mode": config.mode,
                     "quant": config.quant,
+                    "engine": config.engine,
                     "correct": str(trial.key) in measured["answer"],
                     **measured,
                 }

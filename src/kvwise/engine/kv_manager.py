@@ -244,14 +244,15 @@ class KVCacheManager:
         request.region, request.kv_stats = None, None
 
     def request_bytes(self, request: Request) -> int:
-        """The KV bytes `request` holds: its device blocks (a shared prefix included), head pages
-        and quantized blocks."""
+        """The KV bytes `request` holds: its device blocks with computed tokens in them (a shared
+        prefix included; blocks reserved ahead are not counted), head pages and quantized blocks."""
         table = request.blocks
-        held = table.count(Place.DEVICE) * self.storage.nbytes() // self.pool.num_blocks
+        filled = table.places[: -(-(request.computed - request.kv_offset) // self.block_size)]
+        held = filled.count(Place.DEVICE) * self.storage.nbytes() // self.pool.num_blocks
         if request.region is not None:
             held += request.region.num_pages * self.head_pages.page_bytes
-        if table.count(Place.QUANTIZED):
-            held += table.count(Place.QUANTIZED) * self.quant_pools[request.kv.quant].block_bytes
+        if filled.count(Place.QUANTIZED):
+            held += filled.count(Place.QUANTIZED) * self.quant_pools[request.kv.quant].block_bytes
         return held
 
     # ---- host swap ---------------------------------------------------------------------------------
@@ -370,6 +371,8 @@ class KVCacheManager:
         request.region = self._write_region(kept)
         request.kv_stats = [stats for *_, stats in kept] if request.kv.scorer.stat_names else None
         request.kv_offset = compaction.end - request.reused
+        if compaction.ratio_tokens is not None:
+            request.compressed_kv_bytes = self.request_bytes(request)
 
     def _gather_kept(self, compaction: Compaction, layer: int, keep: torch.Tensor):
         """(counts per head, keys and values [kept, head_dim] head by head, positions

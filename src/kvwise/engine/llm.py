@@ -75,22 +75,31 @@ class LLM:
         sampling_params: SamplingParams | None = None,
         use_tqdm: bool = True,
         kv: KVSettings | list[KVSettings | None] | None = None,
+        compress_upto: int | list[int | None] | None = None,
     ):
         """prompts: a string, a list of strings, or lists of token ids. Returns RequestOutputs in order.
 
         kv: KVSettings for every prompt, or one per prompt (None: keep everything), e.g.
         `KVSettings("snapkv", ratio=0.5)`; they evict only that request's private tokens.
+        compress_upto: per prompt (or one for all), how many leading tokens (a document) the
+        ratio compresses before the rest (a question) is read: query-agnostic compression.
+        Default: the whole prompt, with its question, when its prefill ends.
         Every prompt is checked before any runs: one that does not fit raises and nothing is queued."""
         params = sampling_params or SamplingParams()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]
         settings = kv if isinstance(kv, list) else [kv] * len(prompts)
-        if len(settings) != len(prompts):
-            raise ValueError(f"kv has {len(settings)} entries for {len(prompts)} prompts")
+        points = compress_upto if isinstance(compress_upto, list) else [compress_upto] * len(prompts)
+        for name, values in (("kv", settings), ("compress_upto", points)):
+            if len(values) != len(prompts):
+                raise ValueError(f"{name} has {len(values)} entries for {len(prompts)} prompts")
         outputs, groups = [], []
-        for prompt, prompt_kv in zip(prompts, settings):
+        for prompt, prompt_kv, point in zip(prompts, settings, points):
             token_ids = self.engine.encode(prompt)
-            group = [self.engine.make_request(token_ids, params, index, kv=prompt_kv) for index in range(params.n)]
+            group = [
+                self.engine.make_request(token_ids, params, index, kv=prompt_kv, compress_upto=point)
+                for index in range(params.n)
+            ]
             outputs.append(RequestOutput(group[0].request_id, prompt if isinstance(prompt, str) else None, token_ids))
             groups.append(group)
         for group in groups:

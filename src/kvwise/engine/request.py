@@ -51,6 +51,7 @@ class Request:
     # the prompt's first compress_upto tokens are compressed once computed, before the rest is read
     # (query-agnostic: a document compressed without the question after it); None: at prefill's end
     compress_upto: int | None = None
+    compressed_kv_bytes: int | None = None  # the KV bytes it held right after its ratio compression
     recompute_to: int | None = None  # set by a recompute preemption: len(tokens) then
     swapped: Any = None  # SwappedKV while preempted to host memory
     preemptions: int = 0

@@ -1,0 +1,50 @@
+"""`kvwise bench niah --engine`: the same needle trials through the serving engine (`kvwise.LLM`).
+
+The context is compressed once, query-agnostically (`compress_upto`: the question is read after
+the compression), or with the question (`--mode aware`: all but the last prompt token, as the
+library path's aware mode). `kv_bytes` is what the request really holds in the engine's pool
+right after compression: its head pages and any blocks, not a mask.
+"""
+
+from __future__ import annotations
+
+import time
+
+from kvwise.engine.config import CacheConfig
+from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.llm import LLM
+from kvwise.engine.sampling import SamplingParams
+from kvwise.policies.registry import make_policy
+
+BLOCK_SIZE = 16
+
+
+def engine_for(model, tokenizer, longest: int) -> LLM:
+    """One engine for every trial: room for the longest prompt and KVzip's pass over it (about as
+    long again), no prefix cache (each trial stands alone, as in the library path)."""
+    blocks = 3 * -(-longest // BLOCK_SIZE) + 16
+    config = CacheConfig(block_size=BLOCK_SIZE, num_blocks=blocks, token_budget=max(512, longest), prefix_caching=False)
+    return LLM(model=model, tokenizer=tokenizer, cache_config=config)
+
+
+def run_engine_trial(llm: LLM, prompt, policy: str, ratio: float, mode: str, new_tokens: int, quant=None) -> dict:
+    """One trial through `llm`: compress, ask, decode greedily. Returns the measured fields."""
+    context = prompt.context_ids[0].tolist()
+    whole = context + prompt.question_ids[0].tolist()
+    upto = len(context) if mode == "agnostic" else len(whole) - 1
+    evicts = not make_policy(policy).keeps_everything and ratio > 0
+    settings = KVSettings(policy, ratio=ratio, quant=quant) if evicts or quant else None
+    params = SamplingParams(temperature=0, max_tokens=new_tokens)
+    started = time.perf_counter()
+    output = llm.generate([whole], params, use_tqdm=False, kv=settings, compress_upto=upto if evicts else None)[0]
+    seconds = time.perf_counter() - started
+    request = output.requests[0]
+    kv = llm.engine.kv
+    block_bytes = kv.storage.nbytes() // kv.pool.num_blocks
+    held = request.compressed_kv_bytes if evicts else -(-upto // kv.block_size) * block_bytes
+    return {
+        "kv_bytes": held,
+        "compressed_tokens": upto,
+        "seconds": seconds,
+        "answer": output.outputs[0].text,
+    }

@@ -42,23 +42,28 @@ class PrivateKV:
     layer_slots: int  # slots of one layer in the storage (num_blocks x block_size)
     held_stats: list[dict[str, torch.Tensor]] | None = None
 
-    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """cells, valid, positions: [kv_heads, S] (S = the region's width + T)."""
-        cells = slot_cells(self.tail_slots, layer, self.kv_heads, self.layer_slots)
-        valid = torch.ones_like(cells, dtype=torch.bool)
+    def layer(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """valid, positions: [kv_heads, S] (S = the region's width + T)."""
+        valid = torch.ones(self.kv_heads, len(self.tail_slots), dtype=torch.bool, device=self.tail_slots.device)
         positions = self.tail_positions[None, :].expand(self.kv_heads, -1)
         if self.region is None:
-            return cells, valid, positions
-        region = self.region
+            return valid, positions
         return (
-            torch.cat([region.cells[layer], cells], dim=1),
-            torch.cat([region.valid[layer], valid], dim=1),
-            torch.cat([region.positions[layer], positions], dim=1),
+            torch.cat([self.region.valid[layer], valid], dim=1),
+            torch.cat([self.region.positions[layer], positions], dim=1),
         )
+
+    def read(self, storage: PagedKVStorage, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [kv_heads, S, head_dim]: the region's rows, then the tail's."""
+        keys, values = read_cells(storage, slot_cells(self.tail_slots, layer, self.kv_heads, self.layer_slots))
+        if self.region is None:
+            return keys, values
+        region_keys, region_values = self.region.read(storage, layer)
+        return torch.cat([region_keys, keys], dim=1), torch.cat([region_values, values], dim=1)
 
     def width(self, layer: int) -> int:
         """S: the rows of `layer(layer)`."""
-        return (self.region.cells[layer].shape[1] if self.region is not None else 0) + len(self.tail_slots)
+        return (self.region.valid[layer].shape[1] if self.region is not None else 0) + len(self.tail_slots)
 
     def stats(self, layer: int, names: tuple[str, ...]) -> dict[str, torch.Tensor]:
         """Running statistics for `names`, each [kv_heads, S]: zero for tokens not yet observed."""
@@ -118,8 +123,8 @@ class Compaction:
 
     def apply(self, storage: PagedKVStorage, layer: int, query: torch.Tensor, scaling: float | None) -> None:
         """query: [1, num_heads, T, head_dim], the layer's flat queries of this step."""
-        cells, valid, positions = self.private.layer(layer)
-        keys, values = read_cells(storage, cells)  # [kv_heads, S, head_dim]
+        valid, positions = self.private.layer(layer)
+        keys, values = self.private.read(storage, layer)  # [kv_heads, S, head_dim]
         scoring = ScoringInput(
             keys=keys[None],
             values=values[None],

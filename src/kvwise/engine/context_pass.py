@@ -46,28 +46,30 @@ class ContextPass:
     def apply(self, storage: PagedKVStorage, layer: int, query: torch.Tensor, scaling: float | None) -> None:
         """Score the context's tokens by the pass's queries of `layer` ([1, heads, T, head_dim])."""
         private = self.compaction.private
-        private_cells, private_valid, _ = private.layer(layer)
-        prefix_cells, pass_cells = (
-            slot_cells(slots, layer, private.kv_heads, private.layer_slots)
-            for slots in (self.prefix_slots, self.pass_slots)
+        private_valid, _ = private.layer(layer)
+        private_keys, private_values = private.read(storage, layer)
+        prefix_keys, prefix_values = read_cells(
+            storage, slot_cells(self.prefix_slots, layer, private.kv_heads, private.layer_slots)
         )
-        cells = torch.cat([prefix_cells, private_cells, pass_cells], dim=1)
-        keys, values = read_cells(storage, cells)  # [kv_heads, P + S + m, head_dim]
-        valid = torch.ones_like(cells, dtype=torch.bool)
-        width = prefix_cells.shape[1]
-        valid[:, width : width + private_cells.shape[1]] = private_valid
-        heads = cells.shape[0]
+        pass_keys, pass_values = read_cells(
+            storage, slot_cells(self.pass_slots, layer, private.kv_heads, private.layer_slots)
+        )
+        keys = torch.cat([prefix_keys, private_keys, pass_keys], dim=1)  # [kv_heads, P + S + m, head_dim]
+        values = torch.cat([prefix_values, private_values, pass_values], dim=1)
+        heads, width, private_width = keys.shape[0], prefix_keys.shape[1], private_keys.shape[1]
+        valid = torch.ones(keys.shape[:2], dtype=torch.bool, device=keys.device)
+        valid[:, width : width + private_width] = private_valid
         scoring = ScoringInput(
             keys=keys[None],
             values=values[None],
             valid=valid[None],
-            positions=torch.arange(cells.shape[1], device=cells.device).expand(heads, -1)[None],
+            positions=torch.arange(keys.shape[1], device=keys.device).expand(heads, -1)[None],
             queries=query[:, :, self.first : self.last],
             scaling=scaling if scaling is not None else keys.shape[-1] ** -0.5,
             layer_idx=layer,
             num_layers=self.compaction.num_layers,
         )
-        scores = self.policy.score_reconstruction(scoring)[0, :, width : width + private_cells.shape[1]]
+        scores = self.policy.score_reconstruction(scoring)[0, :, width : width + private_width]
         previous = self.compaction.scores.get(layer)
         self.compaction.scores[layer] = scores if previous is None else torch.maximum(previous, scores)
 

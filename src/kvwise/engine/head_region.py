@@ -3,12 +3,14 @@
 After an eviction a request's KV is three parts, read in this order by attention:
 
     shared prefix    device blocks, every head the same tokens (the prefix cache's, untouched)
-    region           head pages (`HeadPages`): what the policy kept, counts[layer][head] tokens each
+    region           pages: what the policy kept, counts[layer][head] tokens each
     tail             device blocks: the tokens computed since, every head the same tokens
 
 The region replaces the private tokens it was made from; their blocks went back to the pool.
-`cells`, `valid` and `positions` are the region as padded per-head rows, made once when the region
-is written (the runner and the next eviction read them every step).
+Its pages are device head pages (`HeadPages`, read in place through `cells`), or quantized pages
+(`QuantPages`, restored through `page_ids` and `rows`) when the request asked for `kv_quant`.
+`valid` and `positions` describe the region as padded per-head rows, made once when it is
+written (the runner and the next eviction read them every step).
 """
 
 from __future__ import annotations
@@ -17,18 +19,35 @@ from dataclasses import dataclass
 
 import torch
 
+from kvwise.kv.paged import PagedKVStorage
+
 
 @dataclass
 class HeadRegion:
     pages: list[list[list[int]]]  # [layer][head] -> page ids, in token order
     counts: list[list[int]]  # [layer][head] -> tokens held
-    cells: list[torch.Tensor]  # [layer] -> [kv_heads, width] int64: storage cell of each token (0 in padding)
     valid: list[torch.Tensor]  # [layer] -> [kv_heads, width] bool
     positions: list[torch.Tensor]  # [layer] -> [kv_heads, width] int64 original positions (-1 in padding)
+    cells: list[torch.Tensor] | None = None  # device pages: [layer] -> [kv_heads, width] storage cells
+    quant: object = None  # QuantPages holding the pages, or None (device pages)
+    page_ids: list[torch.Tensor] | None = None  # quantized: [layer] -> [P] its page ids, head after head
+    rows: list[torch.Tensor] | None = None  # quantized: [layer] -> [kv_heads, width] rows of the restored pages
+
+    def read(self, storage: PagedKVStorage, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [kv_heads, width, head_dim] of `layer` (zeros or copies in padding)."""
+        if self.quant is None:
+            keys, values = storage.cells()
+            return keys[self.cells[layer]], values[self.cells[layer]]
+        keys, values = self.quant.read(self.page_ids[layer])  # [P, block_size, head_dim]
+        return keys.flatten(0, 1)[self.rows[layer]], values.flatten(0, 1)[self.rows[layer]]
 
     @property
     def num_pages(self) -> int:
         return sum(len(head) for layer in self.pages for head in layer)
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.quant is None else self.num_pages * self.quant.page_bytes
 
     @property
     def num_tokens(self) -> int:

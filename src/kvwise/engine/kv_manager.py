@@ -31,12 +31,13 @@ import torch
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.radix import RadixCache
 from kvwise.engine.block_table import BlockTable, Place
-from kvwise.engine.compaction import Compaction, PrivateKV, read_cells
+from kvwise.engine.compaction import Compaction, PrivateKV
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.head_pages import HeadPages
 from kvwise.engine.head_region import HeadRegion
 from kvwise.engine.kv_stats import KVStats, TierUsage
 from kvwise.engine.namespaces import default_namespace
+from kvwise.engine.quant_pages import QuantPages, into_pages
 from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.request import Request
 from kvwise.engine.swap import HostSwap
@@ -67,6 +68,7 @@ class KVCacheManager:
         self.block_size = pool.block_size
         self.quant_pools: dict[str, QuantPool] = {}  # per quantizer spec, made when first asked for
         self.head_pages = HeadPages(pool, storage) if storage is not None else None
+        self.quantized_pages: dict[str, QuantPages] = {}  # per quantizer spec: evicted requests' regions
         self.rotate_queries = None  # the model's query rotation, for scorers that move queries (KVzip self)
         self.prefix_stats = tiers.stats if tiers is not None else ReuseStats()  # tier hits, spills, time
         self.recomputed_blocks = 0
@@ -237,10 +239,12 @@ class KVCacheManager:
             self.quant_pools[request.kv.quant].release(quantized)
 
     def _release_region(self, request: Request) -> None:
-        """Its head pages back (zeroed), with its running statistics."""
-        if request.region is not None:
-            for heads in request.region.pages:
-                self.head_pages.release([page for pages in heads for page in pages])
+        """Its pages back (zeroed), with its running statistics."""
+        region = request.region
+        if region is not None:
+            store = region.quant if region.quant is not None else self.head_pages
+            for heads in region.pages:
+                store.release([page for pages in heads for page in pages])
         request.region, request.kv_stats = None, None
 
     def request_bytes(self, request: Request) -> int:
@@ -249,8 +253,9 @@ class KVCacheManager:
         table = request.blocks
         filled = table.places[: -(-(request.computed - request.kv_offset) // self.block_size)]
         held = filled.count(Place.DEVICE) * self.storage.nbytes() // self.pool.num_blocks
-        if request.region is not None:
-            held += request.region.num_pages * self.head_pages.page_bytes
+        region = request.region
+        if region is not None:
+            held += region.nbytes if region.quant is not None else region.num_pages * self.head_pages.page_bytes
         if filled.count(Place.QUANTIZED):
             held += filled.count(Place.QUANTIZED) * self.quant_pools[request.kv.quant].block_bytes
         return held
@@ -368,7 +373,7 @@ class KVCacheManager:
         kept = [self._gather_kept(compaction, layer, mask) for layer, mask in enumerate(compaction.kept())]
         self._release_region(request)
         self._release(request, request.blocks.cut(request.reused // self.block_size))
-        request.region = self._write_region(kept)
+        request.region = self._write_region(request, kept)
         request.kv_stats = [stats for *_, stats in kept] if request.kv.scorer.stat_names else None
         request.kv_offset = compaction.end - request.reused
         if compaction.ratio_tokens is not None:
@@ -377,31 +382,66 @@ class KVCacheManager:
     def _gather_kept(self, compaction: Compaction, layer: int, keep: torch.Tensor):
         """(counts per head, keys and values [kept, head_dim] head by head, positions
         [kv_heads, most kept] (-1 in padding), statistics) of one layer's kept tokens."""
-        cells, valid, positions = compaction.private.layer(layer)
+        valid, positions = compaction.private.layer(layer)
+        keys, values = compaction.private.read(self.storage, layer)  # [kv_heads, S, head_dim]
         keep = keep & valid
         counts = keep.sum(dim=-1)  # [kv_heads]
         # kept rows first, each head's in their original order: True sorts first under a stable sort
         order = torch.argsort((~keep).to(torch.int8), dim=-1, stable=True)[:, : int(counts.max())]
         rows = torch.arange(order.shape[1], device=order.device)[None, :] < counts[:, None]
-        keys, values = read_cells(self.storage, cells.gather(1, order)[rows])
+        index = order[..., None].expand(-1, -1, keys.shape[-1])
+        keys, values = keys.gather(1, index)[rows], values.gather(1, index)[rows]
         stats = {name: stat.gather(1, order) * rows for name, stat in compaction.stats.get(layer, {}).items()}
         return counts.tolist(), keys, values, positions.gather(1, order).masked_fill(~rows, -1), stats
 
-    def _write_region(self, kept) -> HeadRegion:
-        pages, cells, valid = [], [], []
+    def _write_region(self, request: Request, kept) -> HeadRegion:
+        """Pages for the kept tokens: quantized ones when the request asked for kv_quant (device
+        head pages when the quantized store is full), else device head pages."""
+        counts = [counts for counts, *_ in kept]
+        positions = [positions for _, _, _, positions, _ in kept]
+        valid = [positions >= 0 for positions in positions]
+        if request.kv.quant is not None:
+            region = self._write_quantized(request.kv.quant, kept, counts, valid, positions)
+            if region is not None:
+                return region
+        pages, cells = [], []
         all_keys, all_values = self.storage.cells()
-        for counts, keys, values, _, _ in kept:
-            layer_pages = [self.head_pages.allocate(-(-count // self.block_size)) for count in counts]
-            layer_cells, layer_valid = self.head_pages.cells(layer_pages, counts, keys.device)
+        for (layer_counts, keys, values, _, _), layer_valid in zip(kept, valid):
+            layer_pages = [self.head_pages.allocate(-(-count // self.block_size)) for count in layer_counts]
+            layer_cells, _ = self.head_pages.cells(layer_pages, layer_counts, keys.device)
             all_keys[layer_cells[layer_valid]] = keys
             all_values[layer_cells[layer_valid]] = values
             pages.append(layer_pages)
             cells.append(layer_cells)
-            valid.append(layer_valid)
-        counts = [counts for counts, *_ in kept]
-        return HeadRegion(pages, counts, cells, valid, [positions for _, _, _, positions, _ in kept])
+        return HeadRegion(pages, counts, valid, positions, cells=cells)
+
+    def _write_quantized(self, name: str, kept, counts, valid, positions) -> HeadRegion | None:
+        store = self.quant_pages(name)
+        pages, page_ids, rows = [], [], []
+        for layer_counts, keys, values, _, _ in kept:
+            ids = store.store(*(into_pages(part, layer_counts, self.block_size) for part in (keys, values)))
+            if ids is None:  # full: what this call stored goes back, and device pages take the region
+                store.release([page for layer in pages for head in layer for page in head])
+                return None
+            per_head, start = [], 0
+            for count in layer_counts:
+                used = -(-count // self.block_size)
+                per_head.append(ids[start : start + used])
+                start += used
+            pages.append(per_head)
+            page_ids.append(torch.tensor(ids, device=keys.device))
+            rows.append(_page_rows(layer_counts, self.block_size, keys.device))
+        return HeadRegion(pages, counts, valid, positions, quant=store, page_ids=page_ids, rows=rows)
 
     # ---- per-request quantization ------------------------------------------------------------------
+    def quant_pages(self, name: str) -> QuantPages:
+        """The quantized page store of quantizer `name` (made when first asked for): room for a
+        quarter of the pool's head pages, quantized."""
+        if name not in self.quantized_pages:
+            layers, heads = len(self.storage.keys), self.head_pages.kv_heads
+            self.quantized_pages[name] = QuantPages(name, self.storage, self.pool.num_blocks * layers * heads // 4)
+        return self.quantized_pages[name]
+
     def quant_pool(self, name: str) -> QuantPool:
         if name not in self.quant_pools:
             self.quant_pools[name] = QuantPool(name, self.storage, self.pool.num_blocks)
@@ -456,7 +496,8 @@ class KVCacheManager:
             prefix_cached_blocks=len(self.tree) if self.tree is not None else 0,
             prefix_evictions=self.tree.evictions if self.tree is not None else 0,
             prefix_spilled_blocks=self.prefix_stats.spilled_blocks,
-            quantized_bytes=sum(quant.used_bytes() for _, quant in quant_pools),
+            quantized_bytes=sum(quant.used_bytes() for _, quant in quant_pools)
+            + sum(store.used_bytes() for store in list(self.quantized_pages.values())),
             head_page_bytes=self.head_pages.used_pages * self.head_pages.page_bytes if self.head_pages else 0,
             head_page_blocks=self.head_pages.held_blocks if self.head_pages else 0,
             quantization_errors={
@@ -484,3 +525,15 @@ class KVCacheManager:
 def _compresses(request: Request) -> bool:
     """Its private blocks hold its own compressed state: never cache them as the prompt's."""
     return request.kv is not None and request.kv.active
+
+
+def _page_rows(counts: list[int], block_size: int, device) -> torch.Tensor:
+    """[kv_heads, most kept]: row of each head's token in its restored pages, laid head after head
+    (0 in padding)."""
+    width = max(counts, default=0)
+    rows = torch.zeros(len(counts), width, dtype=torch.long, device=device)
+    start = 0
+    for head, count in enumerate(counts):
+        rows[head, :count] = torch.arange(start, start + count, device=device)
+        start += -(-count // block_size) * block_size
+    return rows

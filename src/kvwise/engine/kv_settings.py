@@ -42,11 +42,6 @@ class KVSettings:
         if self.quant is not None:  # clear errors for bad names; one canonical spelling per quantizer
             quantizer = make_quantizer(self.quant)
             self.quant = None if quantizer is None else quantizer.spec
-        if self.quant is not None:
-            if self.max_kv_tokens is not None:
-                raise ValueError(
-                    "max_kv_tokens cannot be combined with kv_quant in the engine (quantized blocks are final)"
-                )
         self.scorer = make_policy(self.policy)
 
     @property

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from kvwise.engine.block_table import Place
-from kvwise.engine.compaction import Compaction, read_cells
+from kvwise.engine.compaction import Compaction
 from kvwise.engine.cpu_kernel import paged_decode_kernel, small_linear_kernel
 from kvwise.engine.cpu_linear import SmallRowLinears
 from kvwise.engine.quant_pool import QuantPool
@@ -174,7 +174,7 @@ def _with_region(region, storage, layer, keys, values, mask, causal: bool, num_h
     """One chunk's keys, values [1, K, kv_heads, dim] with its region's rows put first, and the
     mask [1, num_heads, queries, R + K] bool: each head sees its own region rows, then the blocks
     as before (causal, or `mask` [1, 1, queries, K])."""
-    region_keys, region_values = read_cells(storage, region.cells[layer])  # [kv_heads, R, dim]
+    region_keys, region_values = region.read(storage, layer)  # [kv_heads, R, dim]
     keys = torch.cat([region_keys.transpose(0, 1)[None], keys], dim=1)
     values = torch.cat([region_values.transpose(0, 1)[None], values], dim=1)
     width, blocks = region_keys.shape[1], keys.shape[1] - region_keys.shape[1]

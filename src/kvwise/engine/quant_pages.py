@@ -1,0 +1,71 @@
+"""`QuantPages`: head pages stored quantized, for a request that evicts and asks for `kv_quant`.
+
+Evict first, then quantize what is kept: when a compaction writes a request's region (what each
+(layer, KV head) kept, `HeadRegion`), a request with a quantizer gets its pages here instead of
+in the device pool. A page is `block_size` tokens of one head, so a KIVI key group is one page.
+A head's last page, when partly filled, is padded with copies of its own first token, which
+leave the group's range (and so its scale) unchanged. Pages are restored to the model's dtype
+for attention; the bytes saved are real. Freed pages are zeroed.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kvwise.core.block_pool import BlockPool
+from kvwise.kv.blocks import QuantizedBlocks
+from kvwise.kv.paged import PagedKVStorage
+from kvwise.kv.quantizer import make_quantizer
+
+
+class QuantPages:
+    def __init__(self, name: str, storage: PagedKVStorage, capacity: int):
+        """capacity: pages it can hold (allocated up front, quantized)."""
+        self.name = name
+        quantizer = make_quantizer(name)
+        layer = storage.keys[0]
+        self.block_size, self.dtype = storage.block_size, layer.dtype
+        self.pages = QuantizedBlocks(quantizer, capacity, self.block_size, 1, layer.shape[-1], layer.device)
+        self.ids = BlockPool(capacity, self.block_size)
+        self.ids.on_release(self._zero)
+        self.page_bytes = self.pages.nbytes() // capacity
+        self.device = layer.device
+
+    def store(self, keys: torch.Tensor, values: torch.Tensor) -> list[int] | None:
+        """Quantize pages keys, values [n, block_size, head_dim]; their ids, or None when full."""
+        if not self.ids.can_allocate(keys.shape[0]):
+            return None
+        ids = self.ids.allocate(keys.shape[0])
+        self.pages.write(torch.tensor(ids, device=self.device), keys[:, :, None], values[:, :, None])
+        return ids
+
+    def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """keys, values [n, block_size, head_dim] in the model's dtype."""
+        keys, values = self.pages.read(ids, self.dtype)
+        return keys[:, :, 0], values[:, :, 0]
+
+    def release(self, ids: list[int]) -> None:
+        if ids:
+            self.ids.release(ids)
+
+    def used_bytes(self) -> int:
+        return self.ids.stats().used * self.page_bytes
+
+    def _zero(self, ids: list[int]) -> None:
+        self.pages.zero(torch.tensor(ids, device=self.device))
+
+
+def into_pages(rows: torch.Tensor, counts: list[int], block_size: int) -> torch.Tensor:
+    """rows [sum(counts), head_dim], head after head -> pages [sum(ceil(count / block_size)),
+    block_size, head_dim]; a head's last page is padded with its first row."""
+    pages, start = [], 0
+    for count in counts:
+        head = rows[start : start + count]
+        start += count
+        if count == 0:
+            continue
+        short = -count % block_size
+        if short:
+            head = torch.cat([head, head[:1].expand(short, -1)])
+        pages.append(head.view(-1, block_size, rows.shape[-1]))
+    return torch.cat(pages) if pages else rows.new_zeros(0, block_size, rows.shape[-1])

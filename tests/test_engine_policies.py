@@ -174,3 +174,27 @@ def test_every_policy_composes_with_every_quantizer(llama, policy, quant):
     assert max(quantized) < (0.6 if quant in ("int8", "fp8") else 0.35)
     assert core.kv.head_pages.used_pages == 0 and core.kv.pool.stats().used == 0
     assert core.kv.quantized_pages[settings.quant].used_bytes() == 0
+
+
+@pytest.mark.parametrize("policy", ["snapkv", "adakv", "pyramidkv", "kvzip"])
+def test_sliding_window_models_keep_their_windows_and_match_the_library(gemma2, policy):
+    """Gemma 2: sliding-window (8) and full layers alternate, with capped logits. Budgets go to the
+    full layers; a sliding layer keeps its window, as transformers' own cache does."""
+    ids = random_ids(1, PROMPT, seed=9)
+    core = _engine(gemma2)
+    request = core.make_request(
+        ids[0].tolist(),
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        kv=KVSettings(policy, ratio=RATIO),
+        compress_upto=PROMPT - 1,
+    )
+    counts = []
+    _run(core, [request], after_compaction=lambda r: counts or counts.append([list(c) for c in r.region.counts]))
+    windows = core.kv.geometry.windows
+    full = [layer for layer, window in enumerate(windows) if window is None]
+    for layer, window in enumerate(windows):
+        if window is not None:
+            assert counts[0][layer] == [window - 1] * core.kv.geometry.num_kv_heads
+    per_head = kept_per_head(PROMPT - 1, RATIO)
+    assert sum(sum(counts[0][layer]) for layer in full) == per_head * len(full) * core.kv.geometry.num_kv_heads
+    assert request.output == _library_tokens(gemma2, ids, policy)

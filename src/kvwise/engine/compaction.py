@@ -105,6 +105,7 @@ class Compaction:
     ratio_tokens: int | None = None
     cap: int | None = None
     rotate_queries: object = None
+    windows: tuple = ()  # per layer: its sliding window (it keeps the window, nothing is scored), or None
     chunk: object = None  # the scheduler's Chunk this compaction belongs to
     first: int = 0
     last: int = 0
@@ -121,9 +122,22 @@ class Compaction:
     def needs_context_pass(self) -> bool:
         return self.ratio_tokens is not None and self.policy.needs_context_pass
 
+    @property
+    def budget_layers(self) -> list[int]:
+        """The layers budgets are spread over: full-attention ones (a sliding layer keeps its window)."""
+        return [layer for layer in range(self.num_layers) if not self._window(layer)]
+
+    def _window(self, layer: int) -> int | None:
+        return self.windows[layer] if self.windows else None
+
     def apply(self, storage: PagedKVStorage, layer: int, query: torch.Tensor, scaling: float | None) -> None:
         """query: [1, num_heads, T, head_dim], the layer's flat queries of this step."""
         valid, positions = self.private.layer(layer)
+        window = self._window(layer)
+        if window:  # what the next query can still see, as transformers' sliding-window cache keeps
+            self.keep[layer] = valid & (positions > self.end - window)
+            return
+        budget_layers = self.budget_layers
         keys, values = self.private.read(storage, layer)  # [kv_heads, S, head_dim]
         scoring = ScoringInput(
             keys=keys[None],
@@ -132,8 +146,8 @@ class Compaction:
             positions=positions[None],
             queries=query[:, :, self.first : self.last],
             scaling=scaling if scaling is not None else keys.shape[-1] ** -0.5,
-            layer_idx=layer,
-            num_layers=self.num_layers,
+            layer_idx=budget_layers.index(layer),
+            num_layers=len(budget_layers),
             stats={name: stat[None] for name, stat in self.private.stats(layer, self.policy.stat_names).items()},
             rotate_queries=self.rotate_queries,
         )
@@ -142,7 +156,8 @@ class Compaction:
             self.stats[layer] = {name: stat[0] for name, stat in scoring.stats.items()}
         keep = valid
         if self.ratio_tokens is not None:
-            budgets = head_budgets(self.policy, self.ratio, [self.ratio_tokens], layer, self.num_layers)
+            rank = budget_layers.index(layer)
+            budgets = head_budgets(self.policy, self.ratio, [self.ratio_tokens], rank, len(budget_layers))
             scoring.budget, scoring.row_budgets = budgets[0], torch.tensor(budgets, device=keys.device)
             if self.global_budget:
                 if not self.needs_context_pass:  # KVzip's pass scores later, in ContextPass
@@ -157,15 +172,18 @@ class Compaction:
     def kept(self) -> list[torch.Tensor]:
         """Keep masks [kv_heads, S] per layer, once every layer (and any context pass) has run."""
         keep = [self.keep[layer] for layer in range(self.num_layers)]
+        layers = self.budget_layers
         if self.global_budget:
-            widths = [mask.shape[1] for mask in keep]
+            widths = [keep[layer].shape[1] for layer in layers]
             width = max(widths)
-            scores = torch.stack([_pad(self.scores[layer], width, 0.0) for layer in range(self.num_layers)])
-            valid = torch.stack([_pad(mask, width, False) for mask in keep])  # [layers, kv_heads, width]
+            scores = torch.stack([_pad(self.scores[layer], width, 0.0) for layer in layers])
+            valid = torch.stack([_pad(keep[layer], width, False) for layer in layers])  # [layers, kv_heads, width]
             chosen = select_across_layers(self.policy, self.ratio, scores[None], valid[None])[0]
-            keep = [chosen[layer, :, : widths[layer]] for layer in range(self.num_layers)]
+            for rank, layer in enumerate(layers):
+                keep[layer] = chosen[rank, :, : widths[rank]]
         if self.cap is not None:
-            for layer, mask in enumerate(keep):
+            for layer in layers:
+                mask = keep[layer]
                 if bool((mask.sum(dim=-1) > self.cap).any()):
                     budgets = torch.full((1, mask.shape[0]), self.cap, device=mask.device)
                     keep[layer] = keep_top_per_head(self.cap_scores[layer][None], mask[None], budgets)[0]

@@ -45,6 +45,8 @@ class ContextPass:
 
     def apply(self, storage: PagedKVStorage, layer: int, query: torch.Tensor, scaling: float | None) -> None:
         """Score the context's tokens by the pass's queries of `layer` ([1, heads, T, head_dim])."""
+        if layer not in self.compaction.budget_layers:
+            return  # a sliding-window layer keeps its window whatever the scores
         private = self.compaction.private
         private_valid, _ = private.layer(layer)
         private_keys, private_values = private.read(storage, layer)
@@ -66,8 +68,8 @@ class ContextPass:
             positions=torch.arange(keys.shape[1], device=keys.device).expand(heads, -1)[None],
             queries=query[:, :, self.first : self.last],
             scaling=scaling if scaling is not None else keys.shape[-1] ** -0.5,
-            layer_idx=layer,
-            num_layers=self.compaction.num_layers,
+            layer_idx=self.compaction.budget_layers.index(layer),
+            num_layers=len(self.compaction.budget_layers),
         )
         scores = self.policy.score_reconstruction(scoring)[0, :, width : width + private_width]
         previous = self.compaction.scores.get(layer)

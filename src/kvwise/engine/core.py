@@ -169,8 +169,6 @@ class EngineCore:
                 raise ValueError(
                     f"compress_upto must be between 1 and the prompt's {len(token_ids)} tokens, got {compress_upto}"
                 )
-        if kv is not None and kv.evicts and self.sliding_layers:
-            raise ValueError("per-request KV eviction is not supported on models with sliding-window layers")
         if kv is not None and kv.quant is not None:  # caught here, not inside a batched step
             make_quantizer(kv.quant).check_head_dim(self.kv.storage.keys[0].shape[-1])
         seed = None if params.seed is None else params.seed + index

@@ -329,7 +329,9 @@ class KVCacheManager:
             observe = cap is not None and bool(settings.scorer.stat_names)
             if not (ratio_now or cap_now or observe):
                 continue
-            first_head = (region.counts[0][0] if region is not None else 0) + len(private.tail_slots)
+            windows = self.geometry.windows if self.geometry is not None else ()
+            first_full = next((layer for layer, window in enumerate(windows) if window is None), 0)
+            first_head = (region.counts[first_full][0] if region is not None else 0) + len(private.tail_slots)
             plans.append(
                 Compaction(
                     request,
@@ -341,6 +343,7 @@ class KVCacheManager:
                     ratio_tokens=first_head if ratio_now else None,
                     cap=cap if cap_now else None,
                     rotate_queries=self.rotate_queries,
+                    windows=windows,
                     chunk=chunk,
                 )
             )

@@ -57,6 +57,10 @@ class AttentionGroup:
     first_block: int | None = None  # one chunk whose blocks are consecutive: read them as a slice
     mixed: MixedBlocks | None = None  # one chunk whose table holds quantized blocks
     region: object = None  # one chunk whose request holds a HeadRegion: read before its blocks
+    # with a region: the positions of its block keys [keys_per_chunk] and of its queries [queries]
+    # (after an eviction a KV index is no longer a position, and masks go by positions)
+    key_positions: torch.Tensor | None = None
+    region_query_positions: torch.Tensor | None = None
     lengths: torch.Tensor | None = None  # [C] int64: CPU-kernel decode group, chunk c sees keys < lengths[c]
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
@@ -150,11 +154,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             values = storage.values[layer].index_select(0, group.blocks).view(shape)[:, : group.keys_per_chunk]
         queries = query[0, :, group.first : group.last].unflatten(1, (group.chunks, -1)).transpose(0, 1)
         mask, causal = group.mask, group.causal
-        if window is not None and window < group.keys_per_chunk:
-            mask, causal = group.window_mask(window), False
         if group.region is not None:
-            keys, values, mask = _with_region(group.region, storage, layer, keys, values, mask, causal, query.shape[1])
+            keys, values, mask = _with_region(group, storage, layer, keys, values, window, query.shape[1])
             causal = False
+        elif window is not None and window < group.keys_per_chunk:
+            mask, causal = group.window_mask(window), False
         output = _attend(
             queries,  # [C, heads, queries per chunk, dim]
             keys.transpose(1, 2),  # [C, kv_heads, keys, dim]
@@ -170,23 +174,25 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     return torch.cat(outputs)[None], None  # [1, T, heads, dim]
 
 
-def _with_region(region, storage, layer, keys, values, mask, causal: bool, num_heads: int):
+def _with_region(group: AttentionGroup, storage, layer: int, keys, values, window: int | None, num_heads: int):
     """One chunk's keys, values [1, K, kv_heads, dim] with its region's rows put first, and the
-    mask [1, num_heads, queries, R + K] bool: each head sees its own region rows, then the blocks
-    as before (causal, or `mask` [1, 1, queries, K])."""
+    mask [1, num_heads, queries, R + K] bool, by positions: each head sees its own region rows,
+    then the block keys at or before each query (within `window` on a sliding-window layer)."""
+    region = group.region
     region_keys, region_values = region.read(storage, layer)  # [kv_heads, R, dim]
     keys = torch.cat([region_keys.transpose(0, 1)[None], keys], dim=1)
     values = torch.cat([region_values.transpose(0, 1)[None], values], dim=1)
-    width, blocks = region_keys.shape[1], keys.shape[1] - region_keys.shape[1]
-    queries = mask.shape[2] if mask is not None else None
-    if mask is None:
-        queries = blocks if causal else 1
-        ones = torch.ones(queries, blocks, dtype=torch.bool, device=keys.device)
-        mask = (ones.tril() if causal else ones)[None, None]
-    heads_per_kv = num_heads // region.valid[layer].shape[0]
-    seen = region.valid[layer].repeat_interleave(heads_per_kv, dim=0)  # [num_heads, R]
-    region_mask = seen[None, :, None, :].expand(1, num_heads, queries, width)
-    return keys, values, torch.cat([region_mask, mask.expand(1, num_heads, queries, blocks)], dim=-1)
+    queries, key_positions = group.region_query_positions[:, None], group.key_positions[None, :]
+    seen_blocks = key_positions <= queries  # [queries, K]
+    seen_region = region.valid[layer][:, None, :]  # [kv_heads, 1 or queries, R]
+    if window:
+        seen_blocks = seen_blocks & (key_positions > queries - window)
+        seen_region = seen_region & (region.positions[layer][:, None, :] > queries[None] - window)
+    heads_per_kv = num_heads // seen_region.shape[0]
+    seen_region = seen_region.repeat_interleave(heads_per_kv, dim=0)  # [num_heads, queries or 1, R]
+    shape = (num_heads, len(group.region_query_positions))
+    mask = torch.cat([seen_region.expand(*shape, -1), seen_blocks.expand(*shape, -1)], dim=-1)
+    return keys, values, mask[None]
 
 
 @contextlib.contextmanager
@@ -334,7 +340,7 @@ class ModelRunner:
                 positions,
                 first_block=_run_start(table),
                 mixed=mixed,
-                region=chunks[0].request.region,
+                **_region_fields(chunks[0], device),
             )
         return AttentionGroup(
             first, first + len(chunks), len(chunks), blocks, max_blocks * block, mask[:, None, None], positions
@@ -349,7 +355,7 @@ class ModelRunner:
         last = first + end - start
         query_positions = torch.arange(start, end, device=device)
         mixed = self._mixed(chunk.request, table, device)
-        region = chunk.request.region
+        region = _region_fields(chunk, device)
         if start == 0:
             return AttentionGroup(
                 first,
@@ -362,7 +368,7 @@ class ModelRunner:
                 causal=True,
                 first_block=run,
                 mixed=mixed,
-                region=region,
+                **region,
             )
         mask = torch.arange(end, device=device)[None, :] <= query_positions[:, None]  # [queries, keys]
         return AttentionGroup(
@@ -375,7 +381,7 @@ class ModelRunner:
             query_positions[None],
             first_block=run,
             mixed=mixed,
-            region=region,
+            **region,
         )
 
     def _mixed(self, request, table: list[int], device) -> MixedBlocks | None:
@@ -404,6 +410,19 @@ def _place(compactions: list, ordered: list[Chunk]) -> list:
     for compaction in compactions:
         compaction.first, compaction.last = span[id(compaction.chunk)]
     return compactions
+
+
+def _region_fields(chunk: Chunk, device) -> dict:
+    """AttentionGroup fields for a chunk whose request holds a region: the region, the positions
+    of its block keys (a shared prefix's are its indices; the tail's are shifted by kv_offset) and
+    of its queries. Empty otherwise."""
+    request = chunk.request
+    if request.region is None:
+        return {}
+    indices = torch.arange(_kv_span(chunk)[1], device=device)
+    key_positions = torch.where(indices < request.reused, indices, indices + request.kv_offset)
+    queries = torch.arange(chunk.start, chunk.end, device=device)
+    return {"region": request.region, "key_positions": key_positions, "region_query_positions": queries}
 
 
 def _own_group(request) -> bool:

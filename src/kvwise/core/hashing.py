@@ -100,3 +100,13 @@ def chain_keys(token_ids: Sequence[int], block_size: int, namespace: Namespace |
         parent = block_key(parent, token_ids[start : start + block_size], namespace.digest_at(index))
         keys.append(parent)
     return keys
+
+
+def compressed_key(namespace: Namespace, compression: str, token_ids: Sequence[int]) -> bytes:
+    """The key of a context compressed query-agnostically: its tokens (everything before the end
+    of the compressed document, so another system prompt before the same document is another
+    entry) in `namespace` extended with `compression`, every setting that changes what is stored
+    (policy and its options, ratio, quantizer). The library's `CompressedContexts` and the
+    engine's compressed prefixes both name entries this way."""
+    extended = Namespace(namespace.model_id, namespace.tenant, f"{namespace.kv_format}|{compression}", namespace.secret)
+    return block_key(ROOT_KEY, list(token_ids), extended.digest())

@@ -32,6 +32,7 @@ class HeadRegion:
     quant: object = None  # QuantPages holding the pages, or None (device pages)
     page_ids: list[torch.Tensor] | None = None  # quantized: [layer] -> [P] its page ids, head after head
     rows: list[torch.Tensor] | None = None  # quantized: [layer] -> [kv_heads, width] rows of the restored pages
+    holders: int = 1  # requests reading it, plus the compressed-prefix cache when published there
 
     def read(self, storage: PagedKVStorage, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values [kv_heads, width, head_dim] of `layer` (zeros or copies in padding)."""

@@ -29,9 +29,11 @@ from concurrent.futures import Future
 import torch
 
 from kvwise.core.block_pool import BlockPool
+from kvwise.core.hashing import SegmentedNamespace, compressed_key
 from kvwise.core.radix import RadixCache
 from kvwise.engine.block_table import BlockTable, Place
 from kvwise.engine.compaction import Compaction, PrivateKV
+from kvwise.engine.compressed_prefixes import CompressedEntry, CompressedPrefixes
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.head_pages import HeadPages
 from kvwise.engine.head_region import HeadRegion
@@ -69,6 +71,8 @@ class KVCacheManager:
         self.quant_pools: dict[str, QuantPool] = {}  # per quantizer spec, made when first asked for
         self.head_pages = HeadPages(pool, storage) if storage is not None else None
         self.quantized_pages: dict[str, QuantPages] = {}  # per quantizer spec: evicted requests' regions
+        # documents compressed once and reused (with the prefix cache: both are reuse across requests)
+        self.compressed = CompressedPrefixes() if tree is not None and storage is not None else None
         self.rotate_queries = None  # the model's query rotation, for scorers that move queries (KVzip self)
         self.prefix_stats = tiers.stats if tiers is not None else ReuseStats()  # tier hits, spills, time
         self.recomputed_blocks = 0
@@ -135,6 +139,9 @@ class KVCacheManager:
         if self.tree is None:
             return 0
         namespace = self.namespace_of(request)
+        hit = self._match_compressed(request, namespace)
+        if hit:
+            return hit
         match = self.tree.match_prefix(request.prompt[:-1], namespace)
         usable = (len(request.prompt) - 1) // self.block_size
         if self.tiers is not None and self.tiers.extend(request.prompt, namespace, match, usable):
@@ -144,6 +151,66 @@ class KVCacheManager:
         request.locked_nodes, request.blocks = match.nodes, BlockTable(match.blocks)
         request.reused = match.length
         return match.length
+
+    # ---- documents compressed once ------------------------------------------------------------------
+    def _compressed_key(self, request: Request, namespace=None) -> bytes:
+        namespace = namespace if namespace is not None else self.namespace_of(request)
+        own = namespace.own if isinstance(namespace, SegmentedNamespace) else namespace  # never the shared one
+        return compressed_key(own, request.kv.spec, request.prompt[: request.compress_upto])
+
+    def _match_compressed(self, request: Request, namespace) -> int:
+        """Take a published compressed document for `request` (its region, read-only, and the
+        prefix blocks it was compressed after). Returns the tokens it covers, 0 on a miss."""
+        if self.compressed is None or request.compress_upto is None or request.kv is None:
+            return 0
+        upto = request.compress_upto
+        entry = self.compressed.get(self._compressed_key(request, namespace), request.prompt[:upto])
+        if entry is None or upto >= len(request.prompt):  # nothing left to compute the first token with
+            return 0
+        match = self.tree.match_prefix(request.prompt[: entry.reused], namespace)
+        if match.length < entry.reused:  # its prefix blocks are gone: compute it again
+            return 0
+        self.tree.lock(match.nodes)
+        self.pool.incref(match.blocks)
+        request.locked_nodes, request.blocks = match.nodes, BlockTable(match.blocks)
+        request.reused, request.kv_offset = entry.reused, upto - entry.reused
+        request.region, entry.region.holders = entry.region, entry.region.holders + 1
+        request.kv_stats = list(entry.stats) if entry.stats is not None else None
+        request.compressed_kv_bytes = self.request_bytes(request)
+        self.compressed.record_hit(entry)
+        return upto
+
+    def _publish_compressed(self, request: Request) -> None:
+        """After a query-agnostic compression of a whole document: publish its region."""
+        entry = CompressedEntry(
+            tuple(request.prompt[: request.compress_upto]), request.reused, request.region, request.kv_stats
+        )
+        replaced = self.compressed.put(self._compressed_key(request), entry)
+        if replaced is not None and replaced.region is not entry.region:
+            self._let_go(replaced.region)
+
+    def _let_go(self, region: HeadRegion) -> None:
+        """One holder fewer; the last one gives the pages back (zeroed)."""
+        region.holders -= 1
+        if region.holders == 0:
+            store = region.quant if region.quant is not None else self.head_pages
+            for heads in region.pages:
+                store.release([page for pages in heads for page in pages])
+
+    def _reclaim(self, blocks: int) -> bool:
+        """Free `blocks` device blocks if it can be done without touching a running request:
+        unlocked prefix-cache blocks first, then compressed documents nobody reads. True when the
+        pool then has them."""
+        if self.pool.can_allocate(blocks):
+            return True
+        if self.tree is not None:
+            self.tree.evict(blocks - self.pool.num_free)
+        while not self.pool.can_allocate(blocks) and self.compressed is not None:
+            entry = self.compressed.evict_one()
+            if entry is None:
+                break
+            self._let_go(entry.region)
+        return self.pool.can_allocate(blocks)
 
     def prefetch(self, request: Request) -> Future | None:
         """Pull the prompt's cached blocks from slow tiers into the first one in the background
@@ -174,11 +241,7 @@ class KVCacheManager:
     def can_allocate(self, request: Request, tokens: int) -> bool:
         """Whether `allocate(request, tokens)` will succeed, after evicting unlocked cached prefixes."""
         needed = self.blocks_needed(request, tokens)
-        if needed <= 0 or self.pool.can_allocate(needed):
-            return True
-        if self.tree is not None:
-            self.tree.evict(needed - self.pool.num_free)
-        return self.pool.can_allocate(needed)
+        return needed <= 0 or self._reclaim(needed)
 
     def allocate(self, request: Request, tokens: int) -> None:
         """Blocks for the request's first `tokens` tokens (check `can_allocate` first).
@@ -203,9 +266,7 @@ class KVCacheManager:
     def can_borrow(self, blocks: int) -> bool:
         """Whether `blocks` device blocks can be had for a moment (a context pass), after evicting
         unlocked cached prefixes."""
-        if not self.pool.can_allocate(blocks) and self.tree is not None:
-            self.tree.evict(blocks - self.pool.num_free)
-        return self.pool.can_allocate(blocks)
+        return self._reclaim(blocks)
 
     def fit_tokens(self, request: Request) -> int:
         """The most tokens `request` can hold with its blocks and the free ones."""
@@ -240,11 +301,8 @@ class KVCacheManager:
 
     def _release_region(self, request: Request) -> None:
         """Its pages back (zeroed), with its running statistics."""
-        region = request.region
-        if region is not None:
-            store = region.quant if region.quant is not None else self.head_pages
-            for heads in region.pages:
-                store.release([page for pages in heads for page in pages])
+        if request.region is not None:
+            self._let_go(request.region)
         request.region, request.kv_stats = None, None
 
     def request_bytes(self, request: Request) -> int:
@@ -289,10 +347,7 @@ class KVCacheManager:
 
     def can_swap_in(self, request: Request) -> bool:
         """Device blocks for a swapped request's host copy, after evicting unlocked cached prefixes."""
-        needed = request.blocks.count(Place.HOST)
-        if not self.pool.can_allocate(needed) and self.tree is not None:
-            self.tree.evict(needed - self.pool.num_free)
-        return self.pool.can_allocate(needed)
+        return self._reclaim(request.blocks.count(Place.HOST))
 
     def swap_in(self, request: Request) -> bool:
         """Copy a swapped request's KV back into fresh device blocks (check `can_swap_in` first).
@@ -374,6 +429,7 @@ class KVCacheManager:
         if request.reused % self.block_size:
             raise RuntimeError("a shared prefix must end on a block boundary to evict after it")
         kept = [self._gather_kept(compaction, layer, mask) for layer, mask in enumerate(compaction.kept())]
+        fresh = request.region is None
         self._release_region(request)
         self._release(request, request.blocks.cut(request.reused // self.block_size))
         request.region = self._write_region(request, kept)
@@ -381,6 +437,9 @@ class KVCacheManager:
         request.kv_offset = compaction.end - request.reused
         if compaction.ratio_tokens is not None:
             request.compressed_kv_bytes = self.request_bytes(request)
+            whole_document = request.compress_upto is not None and compaction.end == request.compress_upto
+            if self.compressed is not None and whole_document and fresh:
+                self._publish_compressed(request)
 
     def _gather_kept(self, compaction: Compaction, layer: int, keep: torch.Tensor):
         """(counts per head, keys and values [kept, head_dim] head by head, positions

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.policies.base import Policy
+from kvwise.policies.mix import Mix, parse_mix
 from kvwise.policies.registry import make_policy
 from kvwise.policies.selection import check_max_kv_tokens, check_ratio
 
@@ -34,7 +35,24 @@ class KVSettings:
     ratio: float = 0.0  # fraction of the private prompt KV removed after prefill, in [0, 1)
     max_kv_tokens: int | None = None  # cap on private KV tokens per head while decoding
     quant: str | None = None
+    options: dict = field(default_factory=dict)  # the policy's hyperparameters, e.g. {"window_size": 32}
     scorer: Policy = field(init=False, repr=False)
+
+    @classmethod
+    def from_mix(cls, mix: str | Mix) -> KVSettings:
+        """Settings from a mix spec such as `kvzip@0.9+kivi4` (`policies.mix`)."""
+        mix = parse_mix(mix)
+        policy = mix.policy if mix.policy != "full" else "snapkv"
+        return cls(policy, mix.ratio, mix.max_tokens, mix.quant, dict(mix.policy_options))
+
+    @property
+    def spec(self) -> str:
+        """The canonical mix spelling of these settings (equal settings, equal specs): with a ratio
+        and a cap both set, the cap follows as `@max=N` on a second spelling of the policy."""
+        options = tuple(sorted(self.options.items()))
+        mix = Mix(self.policy, options, self.ratio, None, self.quant) if self.evicts else Mix(quant=self.quant)
+        spec = mix.spec
+        return spec if self.max_kv_tokens is None else f"{spec}|max={self.max_kv_tokens}"
 
     def __post_init__(self):
         self.ratio = check_ratio(self.ratio, "kv_ratio")
@@ -42,7 +60,7 @@ class KVSettings:
         if self.quant is not None:  # clear errors for bad names; one canonical spelling per quantizer
             quantizer = make_quantizer(self.quant)
             self.quant = None if quantizer is None else quantizer.spec
-        self.scorer = make_policy(self.policy)
+        self.scorer = make_policy(self.policy, **self.options)
 
     @property
     def evicts(self) -> bool:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import safetensors.torch
 import torch
 
-from kvwise.core.hashing import ROOT_KEY, Namespace, block_key
+from kvwise.core.hashing import Namespace, compressed_key
 from kvwise.core.secret_keys import namespace_key as default_namespace_key
 from kvwise.hf.cache import KVWiseCache
 from kvwise.hf.geometry import kv_geometry
@@ -51,10 +51,9 @@ class CompressedContexts:
         """policy: a name (with `policy_kwargs`) or a Policy; its hyperparameters are part of the key."""
         shape = kv_geometry(model)
         policy = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy
-        kv_format = f"{shape.dtype}/{quant_label(quant)}/{policy!r}@{ratio}"
-        namespace = Namespace(shape.model_id, self.tenant, kv_format, self.secret)
+        namespace = Namespace(shape.model_id, self.tenant, str(shape.dtype), self.secret)
         namespace = namespace.shared() if self.shared else namespace
-        return block_key(ROOT_KEY, context_ids.flatten().tolist(), namespace.digest())
+        return compressed_key(namespace, f"{quant_label(quant)}/{policy!r}@{ratio}", context_ids.flatten().tolist())
 
     def save(self, cache: KVWiseCache, context_ids: torch.Tensor) -> bool:
         key = self.key(cache.model, context_ids, cache.policy, cache.compression_ratio, cache.quantizer)

@@ -1,0 +1,85 @@
+"""Compress once, answer many: a document compressed query-agnostically in the engine is reused,
+read-only, by later requests with the same tokens before their question, in the same namespace,
+with the same mix; they compute only their question."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvwise.engine.config import CacheConfig
+from kvwise.engine.core import EngineCore
+from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.sampling import SamplingParams
+from tests.conftest import random_ids
+
+pytestmark = pytest.mark.timeout(300)
+
+DOCUMENT = random_ids(1, 80, seed=21)[0].tolist()
+QUESTIONS = [random_ids(1, n, seed=n)[0].tolist() for n in (7, 9, 12)]
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+
+
+def _engine(model, num_blocks=256):
+    return EngineCore(model, None, CacheConfig(block_size=4, num_blocks=num_blocks, token_budget=128))
+
+
+def _ask(core, question, mix="kvzip@0.75", tenant="default", document=DOCUMENT):
+    request = core.make_request(
+        document + question, PARAMS, tenant=tenant, kv=KVSettings.from_mix(mix), compress_upto=len(document)
+    )
+    core.add(request)
+    while core.has_work:
+        core.step()
+    return request
+
+
+def _first_chunk_start(core, request):
+    return next(start for record in core.step_log for rid, _, start, _ in record.chunks if rid == request.request_id)
+
+
+@pytest.mark.parametrize("mix", ["kvzip@0.75", "adakv@0.8+kivi4", "h2o@0.5"])
+def test_later_questions_reuse_the_compressed_document_and_answer_as_if_compressed_afresh(llama, mix):
+    core = _engine(llama)
+    first = _ask(core, QUESTIONS[0], mix)
+    later = [_ask(core, question, mix) for question in QUESTIONS[1:]]
+    assert _first_chunk_start(core, first) == 0
+    for request in later:
+        assert _first_chunk_start(core, request) == len(DOCUMENT)  # only the question was computed
+    assert core.kv.compressed.hits == 2 and len(core.kv.compressed) == 1
+    for question, request in zip(QUESTIONS[1:], later):
+        alone = _ask(_engine(llama), question, mix)  # a fresh engine compresses the same document
+        assert request.output == alone.output
+        assert request.compressed_kv_bytes == alone.compressed_kv_bytes
+    # the cache holds the region, no request does
+    assert core.kv.compressed.entries and all(e.region.holders == 1 for e in core.kv.compressed.entries.values())
+
+
+def test_another_tenant_mix_or_preamble_is_another_entry(llama):
+    core = _engine(llama)
+    _ask(core, QUESTIONS[0])
+    _ask(core, QUESTIONS[1], tenant="bob")
+    _ask(core, QUESTIONS[1], mix="kvzip@0.5")
+    _ask(core, QUESTIONS[1], document=[5, 6, 7, 8] + DOCUMENT)  # another system prompt before it
+    assert core.kv.compressed.hits == 0 and len(core.kv.compressed) == 4
+    _ask(core, QUESTIONS[2], tenant="bob")
+    assert core.kv.compressed.hits == 1
+
+
+def test_compressed_documents_give_way_under_memory_pressure_and_are_zeroed(llama):
+    core = _engine(llama, num_blocks=48)
+    documents = [random_ids(1, 80, seed=30 + i)[0].tolist() for i in range(8)]
+    for document in documents:
+        _ask(core, QUESTIONS[0], document=document)
+    assert core.kv.compressed.evictions > 0
+    while len(core.kv.compressed):
+        core.kv._let_go(core.kv.compressed.evict_one().region)
+    core.kv.tree.evict(core.kv.pool.num_blocks)
+    assert core.kv.pool.stats().used == 0 and core.kv.head_pages.used_pages == 0
+    assert not core.kv.storage.all_keys.any() and not core.kv.storage.all_values.any()
+
+
+def test_a_document_as_long_as_the_prompt_is_compressed_but_not_reused(llama):
+    core = _engine(llama)
+    _ask(core, [], document=DOCUMENT)
+    again = _ask(core, [], document=DOCUMENT)
+    assert _first_chunk_start(core, again) == 0 and len(again.output) == PARAMS.max_tokens

@@ -241,11 +241,16 @@ class _Handlers:
         params = self._sampling(body, chat, max(map(len, prompts)))
         kv = self._kv_settings(body)
         shared_tokens = self._shared_tokens(body, caller, chat, prompts)
+        compress_upto = None
+        if body.kv_prefix is not None and body.kv_prefix.compress is not None:
+            kv, compress_upto = self._compression(body, chat, prompts, kv)
         requests = []
         for prompt_index, token_ids in enumerate(prompts):
             try:
                 for index in range(params.n):
-                    request = self.core.make_request(token_ids, params, index, tenant=caller.tenant, kv=kv)
+                    request = self.core.make_request(
+                        token_ids, params, index, tenant=caller.tenant, kv=kv, compress_upto=compress_upto
+                    )
                     request.shared_prefix_tokens = shared_tokens
                     request.may_publish_shared = caller.may_write_shared
                     request.choice = prompt_index * params.n + index
@@ -314,6 +319,33 @@ class _Handlers:
             return 0
         if not (caller.may_read_shared or caller.may_write_shared):
             raise OpenAIError(403, "this key may not use the shared namespace", param="kv_prefix")
+        return self._prefix_length(body, chat, prompts)
+
+    def _compression(self, body, chat: bool, prompts: list[list[int]], kv) -> tuple[KVSettings, int]:
+        """The settings and the document's length for `kv_prefix.compress`."""
+        marked = body.kv_prefix
+        if kv is not None:
+            message = (
+                "kv_prefix.compress sets the request's KV mix: leave out kv_policy, kv_ratio, kv_quant, max_kv_tokens"
+            )
+            raise OpenAIError(400, message, param="kv_prefix.compress")
+        if marked.shared:
+            message = "a compressed kv_prefix is cached per tenant: it cannot also be shared"
+            raise OpenAIError(400, message, param="kv_prefix.compress")
+        try:
+            settings = KVSettings.from_mix(marked.compress)
+        except ValueError as error:
+            raise OpenAIError(400, f"kv_prefix.compress: {error}", param="kv_prefix.compress") from None
+        if not settings.evicts or settings.ratio <= 0:
+            message = f"kv_prefix.compress needs a policy with a ratio, such as 'kvzip@0.9'; got {marked.compress!r}"
+            raise OpenAIError(400, message, param="kv_prefix.compress")
+        self._check_quant_enabled(settings, marked.compress, "kv_prefix.compress")
+        return settings, self._prefix_length(body, chat, prompts)
+
+    def _prefix_length(self, body, chat: bool, prompts: list[list[int]]) -> int:
+        """The prompt tokens the `kv_prefix` segment covers (for chat without one: the leading
+        system and developer messages)."""
+        marked = body.kv_prefix
         if marked is not None and (marked.messages is None) == (marked.tokens is None):
             raise OpenAIError(400, "kv_prefix takes exactly one of `messages` and `tokens`", param="kv_prefix")
         if marked is not None and marked.tokens is not None:
@@ -430,16 +462,19 @@ class _Handlers:
             )
         except ValueError as error:
             raise OpenAIError(400, str(error), param="kv_quant" if "quant" in str(error) else "kv_policy") from None
+        self._check_quant_enabled(settings, body.kv_quant, "kv_quant")
+        return settings
+
+    def _check_quant_enabled(self, settings: KVSettings, asked: str | None, param: str) -> None:
         allowed = self.settings.kv_quant_options
         if settings.quant is not None and settings.quant not in allowed:
             # each quantizer holds a pool of its own: only the server's fixed set may be asked for
             raise OpenAIError(
                 400,
-                f"kv_quant {body.kv_quant!r} is not enabled on this server; choose one of: "
+                f"the quantizer in {asked!r} is not enabled on this server; choose one of: "
                 + ", ".join(sorted(allowed)),
-                param="kv_quant",
+                param=param,
             )
-        return settings
 
     # ---- answers -------------------------------------------------------------------------------
     async def _wait(self, http: Request, requests, events: asyncio.Queue):

@@ -48,11 +48,15 @@ class StreamOptions(_Strict):
 class KVPrefix(_Strict):
     """A leading segment of the request: the first `messages` chat messages, or the first `tokens`
     prompt tokens. `shared: true` looks it up in, and publishes it to, the shared namespace (a
-    system prompt every tenant sends); the rest of the request stays private."""
+    system prompt every tenant sends); the rest of the request stays private. `compress: MIX`
+    (e.g. "kvzip@0.9+kivi4") compresses the segment, a document, once and without the question
+    after it; later requests with the same segment and mix reuse it and compute only their
+    question."""
 
     messages: int | None = Field(default=None, ge=1)
     tokens: int | None = Field(default=None, ge=1)
     shared: bool = False
+    compress: str | None = Field(default=None, max_length=512)
 
 
 class KVOptions(_Strict):

@@ -85,6 +85,12 @@ def add_bench_parsers(workloads) -> None:
     rag.add_argument("--requests", type=int, default=None, help="requests (default 24; 8 with --quick)")
     rag.add_argument("--concurrency", type=int, default=None, help="clients in the closed loop (default 4)")
     rag.add_argument("--systems", type=names, default=None, help="hf-sequential,kvwise-reuse-off,kvwise-reuse-on")
+    rag.add_argument(
+        "--compress",
+        default=None,
+        help="a KV mix such as kvzip@0.75+kivi4: also compress each document once and reuse it, "
+        "against plain reuse and the library path",
+    )
     rag.add_argument("--out", type=Path, default=Path("results"))
     rag.add_argument("--quick", action="store_true", help="8 requests, 3 documents of 300-600 tokens, 8 new tokens")
 
@@ -163,7 +169,7 @@ def _rag(args) -> None:
         config.system_prompt_tokens, config.question_tokens, config.output_tokens = 200, (20, 60), 8
     if args.systems is not None:
         args.systems = tuple(args.systems)
-    _override(config, args, ("requests", "concurrency", "systems"))
+    _override(config, args, ("requests", "concurrency", "systems", "compress"))
     run_rag(config, args.out)
     print((args.out / "rag.md").read_text())
     print(f"wrote {args.out / 'rag.json'}")

@@ -8,6 +8,8 @@ user waits: queueing behind other prefills plus the request's own.
 
 Systems, same run: transformers `generate` one request at a time, and kvwise's engine with
 prefix caching off and on. The report sets the TTFT speedup beside the bound 1/(1 - hit rate).
+With `--compress MIX`, also the engine compressing each system prompt + document once and
+reusing it (`bench/rag_compress.py`), and the library path's answers for the same mix.
 """
 
 from __future__ import annotations
@@ -22,9 +24,11 @@ import torch
 from tqdm import tqdm
 
 from kvwise.bench.environment import system_info
-from kvwise.bench.rag_workload import RagWorkload, rag_requests
+from kvwise.bench.rag_compress import MATCH_TOKENS, compression_summary, document_hit_ttft, library_answers
+from kvwise.bench.rag_workload import RagWorkload, rag_prompts
 from kvwise.bench.stats import percentile
 from kvwise.bench.throughput import generate_timed
+from kvwise.engine.kv_settings import KVSettings
 from kvwise.hf.cache import full_kv_bytes
 
 
@@ -34,30 +38,45 @@ class RagConfig(RagWorkload):
     dtype: str | None = None  # None: the model's default (float32 on CPU), as `bench throughput`
     concurrency: int = 4
     systems: tuple[str, ...] = ("hf-sequential", "kvwise-reuse-off", "kvwise-reuse-on")
+    compress: str | None = None  # a mix: also compress each document once and reuse it (kvwise-compress)
 
     def __post_init__(self):
         super().__post_init__()
         if self.concurrency < 1 or self.output_tokens < 1:
             raise ValueError("need concurrency >= 1 and output_tokens >= 1")
-        unknown = set(self.systems) - {"hf-sequential", "kvwise-reuse-off", "kvwise-reuse-on"}
+        known = {"hf-sequential", "kvwise-reuse-off", "kvwise-reuse-on", "kvwise-compress", "library-compress"}
+        unknown = set(self.systems) - known
         if unknown:
-            raise ValueError(f"unknown systems {sorted(unknown)}; choose hf-sequential, kvwise-reuse-off/on")
+            raise ValueError(f"unknown systems {sorted(unknown)}; choose from {', '.join(sorted(known))}")
+        if self.compress is not None:
+            settings = KVSettings.from_mix(self.compress)  # a clear error for a bad mix, before any run
+            if not settings.evicts or settings.ratio <= 0:
+                raise ValueError(f"--compress needs a policy with a ratio, such as 'kvzip@0.75'; got {self.compress!r}")
+            wanted = ("kvwise-reuse-on", "kvwise-compress", "library-compress")
+            self.systems = tuple(self.systems) + tuple(name for name in wanted if name not in self.systems)
 
 
-def run_engine(model, tokenizer, prompts: list[list[int]], config: RagConfig, reuse: bool, progress) -> dict:
+def run_engine(
+    model, tokenizer, parts: list[tuple[list[int], int]], config: RagConfig, reuse: bool, progress, compress=None
+) -> dict:
+    """parts: (prompt ids, where its document ends). compress: a mix compressing each system
+    prompt + document once, query-agnostically (needs reuse)."""
     from kvwise.engine.config import CacheConfig
     from kvwise.engine.core import EngineCore
     from kvwise.engine.sampling import SamplingParams
 
     core = EngineCore(model, tokenizer, CacheConfig(prefix_caching=reuse))
     params = SamplingParams(temperature=0, max_tokens=config.output_tokens, ignore_eos=True)
-    waiting, in_flight, done = list(prompts), 0, []
+    kv = KVSettings.from_mix(compress) if compress is not None else None
+    waiting, in_flight, done, in_order = list(parts), 0, [], []
     started = time.monotonic()
     while waiting or in_flight:
         while waiting and in_flight < config.concurrency:  # a client sends its next request
-            request = core.make_request(waiting.pop(0), params)
+            ids, end = waiting.pop(0)
+            request = core.make_request(ids, params, kv=kv, compress_upto=end if kv is not None else None)
             request.arrival = time.monotonic()
             core.add(request)
+            in_order.append(request)
             in_flight += 1
         for event in core.step():
             if event.finish_reason is not None:
@@ -66,15 +85,28 @@ def run_engine(model, tokenizer, prompts: list[list[int]], config: RagConfig, re
                 progress.update()
     wall = time.monotonic() - started
     row = _row(
-        "kvwise",
-        {"reuse": reuse, "concurrency": config.concurrency, **asdict(core.cache_config)},
+        "kvwise" if compress is None else "kvwise-compress",
+        {"reuse": reuse, "concurrency": config.concurrency, "compress": compress, **asdict(core.cache_config)},
         wall,
         [r.first_token_time - r.arrival for r in done],
         [(r.finish_time - r.first_token_time) / max(len(r.output) - 1, 1) for r in done],
         config,
         len(done),
     )
-    row["hit_rate"] = sum(r.reused for r in done) / sum(len(r.prompt) for r in done)
+    block = core.kv.block_size
+    if kv is None:
+        row["hit_rate"] = sum(r.reused for r in done) / sum(len(r.prompt) for r in done)
+        hits = [end >= block and r.reused >= end // block * block for r, (_, end) in zip(in_order, parts)]
+    else:
+        hits = [r.compressed_hit for r in in_order]
+        row["hit_rate"] = sum(end for hit, (_, end) in zip(hits, parts) if hit) / sum(len(r.prompt) for r in done)
+        token_bytes = core.kv.storage.nbytes() // (core.kv.pool.num_blocks * block)
+        entries = list(core.kv.compressed.entries.values())
+        held = [core.kv.request_bytes_of(entry.region) / (len(entry.tokens) * token_bytes) for entry in entries]
+        row["cached_document_bytes_ratio"] = statistics.mean(held) if held else None
+    row["document_hits"] = sum(hits)
+    row["document_hit_ttft_p50_s"] = document_hit_ttft(in_order, hits)
+    row["outputs"] = [list(r.output) for r in in_order]
     row["peak_kv_bytes"] = core.kv.stats().peak_bytes
     return row
 
@@ -115,15 +147,20 @@ def run_rag(config: RagConfig, out_dir: Path) -> dict:
     from kvwise.models import load_model
 
     model, tokenizer = load_model(config.model, dtype=config.dtype)
-    prompts = [ids[0].tolist() for ids in rag_requests(tokenizer, config)]
+    parts = rag_prompts(tokenizer, config)
+    prompts = [ids for ids, _ in parts]
     out_dir.mkdir(parents=True, exist_ok=True)
-    results = []
+    results, library = [], None
     with tqdm(total=len(prompts) * len(config.systems), desc="rag", unit="request") as progress:
         for system in config.systems:
             if system == "hf-sequential":
                 results.append(run_hf_sequential(model, prompts, config, progress))
+            elif system == "library-compress":
+                library = library_answers(model, tokenizer, parts, config.compress, config.output_tokens, progress)
+            elif system == "kvwise-compress":
+                results.append(run_engine(model, tokenizer, parts, config, True, progress, config.compress))
             else:
-                results.append(run_engine(model, tokenizer, prompts, config, system.endswith("-on"), progress))
+                results.append(run_engine(model, tokenizer, parts, config, system.endswith("-on"), progress))
     summary = {}
     by_reuse = {row["config"]["reuse"]: row for row in results if row["system"] == "kvwise"}
     if len(by_reuse) == 2:
@@ -133,6 +170,9 @@ def run_rag(config: RagConfig, out_dir: Path) -> dict:
             "ttft_p99_speedup": by_reuse[False]["ttft_p99_s"] / by_reuse[True]["ttft_p99_s"],
             "bound": 1.0 / max(1.0 - hit, 1e-9),
         }
+    compressed = next((row for row in results if row["system"] == "kvwise-compress"), None)
+    if compressed is not None and True in by_reuse:
+        summary["compress"] = compression_summary(by_reuse[True], compressed, library)
     report = {
         "workload": "rag",
         "config": asdict(config),
@@ -159,15 +199,40 @@ def markdown(report: dict) -> str:
     ]
     for row in report["results"]:
         lines.append(
-            f"| {row['system']} | {'on' if row['config']['reuse'] else 'off'} | "
+            f"| {row['system']} | {_reuse_label(row)} | "
             f"{row['ttft_p50_s']:.3f} / {row['ttft_p99_s']:.3f} | {row['tpot_p50_s']:.3f} | "
             f"{row['tokens_per_second']:.2f} | {row['requests_per_second']:.3f} | {row['hit_rate']:.3f} | "
             f"{row['peak_kv_bytes']:,} |"
         )
-    if summary:
+    if "ttft_p50_speedup" in summary:
         lines += [
             "",
             f"TTFT p50 with reuse {summary['ttft_p50_speedup']:.2f}x better than without (p99 "
             f"{summary['ttft_p99_speedup']:.2f}x); bound 1/(1 - hit rate) = {summary['bound']:.2f}x",
         ]
+    if "compress" in summary:
+        compress, rows = summary["compress"], {row["system"]: row for row in report["results"]}
+        plain = next(row for row in report["results"] if row["system"] == "kvwise" and row["config"]["reuse"])
+        squeezed = rows["kvwise-compress"]
+        lines += [
+            "",
+            f"Compress once with `{config['compress']}`: requests that found their document cached had TTFT p50 "
+            f"{squeezed['document_hit_ttft_p50_s']:.3f} s ({squeezed['document_hits']} requests) against "
+            f"{plain['document_hit_ttft_p50_s']:.3f} s with plain reuse ({plain['document_hits']}): "
+            f"{compress['hit_ttft_ratio']:.2f}x. A cached document holds {compress['cached_bytes_ratio']:.3f} "
+            f"of its uncompressed KV bytes. First {MATCH_TOKENS} output tokens equal to the full cache's: "
+            f"{compress['first_tokens_match_full']:.0%}"
+            + (
+                f"; to the library path's with the same mix: {compress['first_tokens_match_library']:.0%}"
+                if "first_tokens_match_library" in compress
+                else ""
+            )
+            + ".",
+        ]
     return "\n".join(lines) + "\n"
+
+
+def _reuse_label(row: dict) -> str:
+    if row["config"].get("compress"):
+        return f"on, {row['config']['compress']}"
+    return "on" if row["config"]["reuse"] else "off"

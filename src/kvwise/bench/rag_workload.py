@@ -36,6 +36,12 @@ class RagWorkload:
 
 def rag_requests(tokenizer, config: RagWorkload) -> list[torch.Tensor]:
     """The RAG workload's prompts as token ids [1, n], deterministic for a seed."""
+    return [torch.tensor([ids]) for ids, _ in rag_prompts(tokenizer, config)]
+
+
+def rag_prompts(tokenizer, config: RagWorkload) -> list[tuple[list[int], int]]:
+    """The RAG workload's prompts as (token ids, where the document ends: the system prompt and
+    the document before it, the question after it), deterministic for a seed."""
     rng = random.Random(config.seed)
     stream = tokenizer(read_haystack(), add_special_tokens=False).input_ids
     cursor = 0
@@ -57,5 +63,5 @@ def rag_requests(tokenizer, config: RagWorkload) -> list[torch.Tensor]:
         document = rng.choices(documents, weights)[0]
         question = take(rng.randint(*config.question_tokens))
         prefix = system_prompt if shared else take(config.system_prompt_tokens)  # a one-off prompt
-        requests.append(torch.tensor([prefix + document + question]))
+        requests.append((prefix + document + question, len(prefix) + len(document)))
     return requests

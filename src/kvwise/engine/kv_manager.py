@@ -177,6 +177,7 @@ class KVCacheManager:
         request.region, entry.region.holders = entry.region, entry.region.holders + 1
         request.kv_stats = list(entry.stats) if entry.stats is not None else None
         request.compressed_kv_bytes = self.request_bytes(request)
+        request.compressed_hit = True
         self.compressed.record_hit(entry)
         return upto
 
@@ -311,12 +312,15 @@ class KVCacheManager:
         table = request.blocks
         filled = table.places[: -(-(request.computed - request.kv_offset) // self.block_size)]
         held = filled.count(Place.DEVICE) * self.storage.nbytes() // self.pool.num_blocks
-        region = request.region
-        if region is not None:
-            held += region.nbytes if region.quant is not None else region.num_pages * self.head_pages.page_bytes
+        if request.region is not None:
+            held += self.request_bytes_of(request.region)
         if filled.count(Place.QUANTIZED):
             held += filled.count(Place.QUANTIZED) * self.quant_pools[request.kv.quant].block_bytes
         return held
+
+    def request_bytes_of(self, region: HeadRegion) -> int:
+        """The bytes a region's pages hold (quantized pages at their own size)."""
+        return region.nbytes if region.quant is not None else region.num_pages * self.head_pages.page_bytes
 
     # ---- host swap ---------------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:

@@ -198,3 +198,26 @@ def test_sliding_window_models_keep_their_windows_and_match_the_library(gemma2, 
     per_head = kept_per_head(PROMPT - 1, RATIO)
     assert sum(sum(counts[0][layer]) for layer in full) == per_head * len(full) * core.kv.geometry.num_kv_heads
     assert request.output == _library_tokens(gemma2, ids, policy)
+
+
+def test_kvzip_s_pass_in_chunks_beside_other_work_matches_the_library(llama):
+    """A token budget of 16: the context and its reconstruction pass both go in chunks, mixed
+    with another request's decoding; the kept tokens, and so the answer, are the library's."""
+    ids = random_ids(1, PROMPT, seed=7)
+    core = _engine(llama, token_budget=16)
+    other = core.make_request(random_ids(1, 20, seed=2)[0].tolist(), SamplingParams(max_tokens=30, ignore_eos=True))
+    request = core.make_request(
+        ids[0].tolist(),
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        kv=KVSettings("kvzip", ratio=RATIO),
+        compress_upto=PROMPT - 1,
+    )
+    passes = []
+    core.add(other)
+    core.add(request)
+    while core.has_work:
+        core.step()
+        passes.append(request.reconstruction is not None)
+    assert sum(passes) >= 3  # the pass took several steps
+    assert request.output == _library_tokens(llama, ids, "kvzip")
+    assert len(other.output) == 30 and core.kv.pool.stats().used == 0

@@ -16,8 +16,9 @@ from dataclasses import dataclass
 import torch
 
 from kvwise.core.secret_keys import namespace_key as default_namespace_key
+from kvwise.engine.compaction import Compaction
 from kvwise.engine.config import CacheConfig
-from kvwise.engine.context_pass import plan_context_passes
+from kvwise.engine.context_pass import PassChunk, start_pass
 from kvwise.engine.detokenizer import IncrementalText
 from kvwise.engine.kv_manager import KVCacheManager
 from kvwise.engine.kv_settings import KVSettings
@@ -207,12 +208,16 @@ class EngineCore:
         started = time.perf_counter()
         chunks, output, failed = self._forward_isolating_faults(step.chunks)
         self._measure_prefill(chunks, time.perf_counter() - started)
-        if self.logits_observer is not None:
-            self.logits_observer(chunks, output.logits)
-        record = StepRecord(self.steps, [(c.request.request_id, c.request.tenant, c.start, c.end) for c in step.chunks])
+        record = StepRecord(self.steps, [(c.owner.request_id, c.owner.tenant, c.start, c.end) for c in step.chunks])
         self.step_log.append(record)
-        failed += self._settle_memory(output, failed)
-        events = self._postprocess(chunks, output.logits, failed)
+        # reconstruction passes' chunks only score: nothing is sampled after them
+        passes = [chunk for chunk in chunks if isinstance(chunk, PassChunk)]
+        rows = [index for index, chunk in enumerate(chunks) if not isinstance(chunk, PassChunk)]
+        chunks, logits = [chunks[index] for index in rows], output.logits[rows] if rows else output.logits
+        if self.logits_observer is not None:
+            self.logits_observer(chunks, logits)
+        failed += self._settle_memory(output, passes, failed)
+        events = self._postprocess(chunks, logits, failed)
         record.tier_seconds = self.kv.prefix_stats.seconds_in_tiers - tier_seconds
         return events
 
@@ -224,52 +229,37 @@ class EngineCore:
             f"{len(self.scheduler.waiting)} waiting requests do not fit {self.kv.pool.num_blocks} blocks"
         )
 
-    def _settle_memory(self, output: ForwardOutput, failed: list) -> list:
-        """After the forward: KVzip's reconstruction passes run, the peak is recorded, evicted
-        tokens move to head pages (their blocks back to the pool) and settled blocks are
-        quantized. Returns [(request, error)] for the requests whose part of this raised."""
-        troubled = {id(request) for request, _ in failed}
-        compactions = [c for c in output.compactions if id(c.request) not in troubled]
-        errors = self._run_context_passes([c for c in compactions if c.needs_context_pass])
+    def _settle_memory(self, output: ForwardOutput, passes: list[PassChunk], failed: list) -> list:
+        """After the forward: the peak is recorded, compactions are applied (evicted tokens move to
+        head pages, their blocks back to the pool) or, for KVzip, start their reconstruction pass;
+        passes whose last chunk ran are applied; settled blocks are quantized. Returns
+        [(request, error)] for the requests whose part of this raised."""
         self.kv.record_peak()
-        troubled |= {id(request) for request, _ in errors}
-        for compaction in compactions:
-            if id(compaction.request) in troubled:
+        troubled = {id(request) for request, _ in failed}
+        errors = []
+        for compaction in output.compactions:
+            if not isinstance(compaction, Compaction) or id(compaction.request) in troubled:
                 continue
             try:
-                self.kv.apply_compaction(compaction.request, compaction)
+                if compaction.needs_context_pass:
+                    compaction.request.reconstruction = start_pass(compaction, self.kv, self.tokenizer)
+                else:
+                    self.kv.apply_compaction(compaction.request, compaction)
             except Exception as error:  # noqa: BLE001 - that request alone fails
                 errors.append((compaction.request, error))
+        self.kv.record_peak()  # borrowed blocks included
+        for chunk in passes:
+            reconstruction = chunk.reconstruction
+            if id(reconstruction.request) in troubled:
+                continue
+            reconstruction.done = chunk.end - reconstruction.start
+            if reconstruction.remaining == 0:
+                try:
+                    self.kv.finish_reconstruction(reconstruction.request)
+                except Exception as error:  # noqa: BLE001
+                    errors.append((reconstruction.request, error))
+        troubled |= {id(request) for request, _ in errors}
         return errors + self.kv.quantize_settled([r for r in self.scheduler.running if id(r) not in troubled])
-
-    def _run_context_passes(self, compactions: list) -> list:
-        """One forward for every KVzip reconstruction pass of this step (each alone if that
-        fails). Returns [(request, error)]."""
-        if not compactions:
-            return []
-        try:
-            self._context_pass(compactions)
-            return []
-        except Exception as error:  # noqa: BLE001 - find whose pass it was
-            if len(compactions) == 1:
-                return [(compactions[0].request, error)]
-        errors = []
-        for compaction in compactions:
-            compaction.scores.clear()
-            try:
-                self._context_pass([compaction])
-            except Exception as error:  # noqa: BLE001
-                errors.append((compaction.request, error))
-        return errors
-
-    def _context_pass(self, compactions: list) -> None:
-        passes, borrowed = plan_context_passes(compactions, self.kv, self.tokenizer)
-        try:
-            self.runner.forward([p.chunk for p in passes], passes)
-            self.kv.record_peak()
-        finally:
-            if borrowed:
-                self.kv.pool.release(borrowed)
 
     def _postprocess(self, chunks, logits, failed: list) -> list[TokenEvent]:
         """Sample after each chunk that reaches its request's prefill target (the prompt, or prompt
@@ -380,23 +370,30 @@ class EngineCore:
         the requests whose chunk raises by itself. Returns (the chunks computed, their
         ForwardOutput, [(request, error)] of the failed)."""
         try:
-            return chunks, self.runner.forward(chunks, self.kv.plan_compactions(chunks)), []
+            return chunks, self.runner.forward(chunks, self._scorers(chunks)), []
         except Exception as error:  # noqa: BLE001 - attributed below, or re-raised
             if len(chunks) == 1:
-                return [], ForwardOutput(None, []), [(chunks[0].request, error)]
+                return [], ForwardOutput(None, []), [(chunks[0].owner, error)]
             first_error = error
         kept, outputs, failed = [], [], []
         for chunk in chunks:
             try:
-                outputs.append(self.runner.forward([chunk], self.kv.plan_compactions([chunk])))
+                outputs.append(self.runner.forward([chunk], self._scorers([chunk])))
                 kept.append(chunk)
             except Exception as error:  # noqa: BLE001
-                failed.append((chunk.request, error))
+                failed.append((chunk.owner, error))
         if not kept:
             raise first_error  # not one request's fault: the engine itself is broken
         log.warning("a step failed; %d of %d chunks failed again alone and were cancelled", len(failed), len(chunks))
         logits = torch.cat([output.logits for output in outputs])
         return kept, ForwardOutput(logits, [c for output in outputs for c in output.compactions]), failed
+
+    def _scorers(self, chunks) -> list:
+        """What scores after each layer in a forward of `chunks`: planned compactions and the
+        reconstruction passes whose chunks run."""
+        # a chunk computed again after a failed batch scores the same again: the highest is kept
+        passes = [chunk.reconstruction for chunk in chunks if isinstance(chunk, PassChunk)]
+        return self.kv.plan_compactions(chunks) + passes
 
     def _sample_isolating_faults(self, logits, finishing, failed) -> list:
         """One SampledToken per finishing chunk, or None where sampling that row raised."""

@@ -284,6 +284,9 @@ class KVCacheManager:
         if request.swapped is not None:
             self.swap.drop(request.swapped)
             request.swapped = None
+        if request.reconstruction is not None:  # a pass cut short: its borrowed blocks go back
+            self.pool.release(request.reconstruction.borrowed)
+            request.reconstruction = None
         request.reserved = False
         if self.tree is not None and request.locked_nodes:
             self.tree.unlock(request.locked_nodes)
@@ -331,6 +334,7 @@ class KVCacheManager:
             self.swap is not None
             and bool(table)
             and request.region is None
+            and request.reconstruction is None
             and table.all_in(Place.DEVICE)
             and self.swap.can_hold(len(table))
         )
@@ -444,6 +448,14 @@ class KVCacheManager:
             whole_document = request.compress_upto is not None and compaction.end == request.compress_upto
             if self.compressed is not None and whole_document and fresh:
                 self._publish_compressed(request)
+
+    def finish_reconstruction(self, request: Request) -> None:
+        """A KVzip pass's last chunk ran: apply its compaction and give its borrowed blocks back."""
+        reconstruction, request.reconstruction = request.reconstruction, None
+        try:
+            self.apply_compaction(request, reconstruction.compaction)
+        finally:
+            self.pool.release(reconstruction.borrowed)
 
     def _gather_kept(self, compaction: Compaction, layer: int, keep: torch.Tensor):
         """(counts per head, keys and values [kept, head_dim] head by head, positions

@@ -52,6 +52,7 @@ class Request:
     # (query-agnostic: a document compressed without the question after it); None: at prefill's end
     compress_upto: int | None = None
     compressed_kv_bytes: int | None = None  # the KV bytes it held right after its ratio compression
+    reconstruction: Any = None  # its KVzip ReconstructionPass while it runs (it waits meanwhile)
     compressed_hit: bool = False  # it found its document compressed already (compress_upto) and reused it
     recompute_to: int | None = None  # set by a recompute preemption: len(tokens) then
     swapped: Any = None  # SwappedKV while preempted to host memory

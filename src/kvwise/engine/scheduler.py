@@ -37,6 +37,11 @@ class Chunk:
     start: int
     end: int
 
+    @property
+    def owner(self) -> Request:
+        """The request this chunk is work for (a reconstruction pass computes for another)."""
+        return self.request
+
 
 @dataclass
 class Step:
@@ -100,13 +105,13 @@ class Scheduler:
         for request in list(self.running):
             if budget == 0:
                 break
-            if not request.prefilling and request not in step.preempted:
+            if not request.prefilling and request not in step.preempted and request.reconstruction is None:
                 budget -= self._schedule_decode(request, step, may_preempt=True)
         # a step that had to preempt admits nobody: the victim would come straight back
         admitted = [] if step.preempted else self._admit_waiting(budget)
-        prefilling = [r for r in self.running if r.prefilling]
+        prefilling = [r for r in self.running if r.prefilling or r.reconstruction is not None]
         budget = self._schedule_prefills(prefilling, budget, step)
-        scheduled = {id(chunk.request) for chunk in step.prefills}
+        scheduled = {id(chunk.owner) for chunk in step.prefills}
         unadmitted = [r for r in admitted if id(r) not in scheduled]
         for request in reversed(unadmitted):  # no budget or no memory for it yet: back to the front
             self._unadmit(request)
@@ -120,10 +125,11 @@ class Scheduler:
             # every running request is stuck mid-prefill waiting for blocks the others hold:
             # give the newest one's back so the rest can move (without this nothing ever would)
             self._preempt(self.running[-1], step)
-            budget = self._schedule_prefills([r for r in self.running if r.prefilling], budget, step)
+            waiting_work = [r for r in self.running if r.prefilling or r.reconstruction is not None]
+            budget = self._schedule_prefills(waiting_work, budget, step)
         if not step.preempted:  # after everyone running: the memory goes to them first, as before
             budget = self._swap_in_waiting(budget, step)
-        scheduled = {id(chunk.request) for chunk in step.prefills}
+        scheduled = {id(chunk.owner) for chunk in step.prefills}
         for request in prefilling:
             request.skipped_steps = 0 if id(request) in scheduled else request.skipped_steps + 1
         return step
@@ -173,8 +179,15 @@ class Scheduler:
 
     @staticmethod
     def _prefill_order(requests: list[Request]) -> list[Request]:
-        """Starving prefills first, then shortest remaining first (ties: running order)."""
-        return sorted(requests, key=lambda r: (r.skipped_steps < STARVATION_STEPS, r.prefill_target - r.computed))
+        """Starving prefills first, then shortest remaining first (ties: running order); a
+        reconstruction pass counts as the prefill of its remaining tokens."""
+
+        def remaining(request: Request) -> int:
+            if request.reconstruction is not None:
+                return request.reconstruction.remaining
+            return request.prefill_target - request.computed
+
+        return sorted(requests, key=lambda r: (r.skipped_steps < STARVATION_STEPS, remaining(r)))
 
     def _unadmit(self, request: Request) -> None:
         self.running.remove(request)
@@ -197,6 +210,10 @@ class Scheduler:
     def _schedule_prefill(self, request: Request, budget: int, step: Step) -> int:
         if budget == 0 or request not in self.running:
             return budget
+        if request.reconstruction is not None:  # its pass's blocks are borrowed already
+            chunk = request.reconstruction.next_chunk(budget)
+            step.prefills.append(chunk)
+            return budget - (chunk.end - chunk.start)
         end = min(request.prefill_target, request.computed + budget)
         if request.compress_upto is not None and request.computed < request.compress_upto:
             end = min(end, request.compress_upto)  # a chunk ends there: the document is compressed first
@@ -262,8 +279,8 @@ class Scheduler:
         self.preemptions += 1
         self.waiting.appendleft(request)
         step.preempted.append(request)
-        step.decodes = [chunk for chunk in step.decodes if chunk.request is not request]
-        step.prefills = [chunk for chunk in step.prefills if chunk.request is not request]
+        step.decodes = [chunk for chunk in step.decodes if chunk.owner is not request]
+        step.prefills = [chunk for chunk in step.prefills if chunk.owner is not request]
 
     def _swap_in(self, request: Request) -> bool:
         """False when its blocks cannot be had yet; True when it left the swap: running again, or

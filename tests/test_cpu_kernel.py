@@ -112,3 +112,39 @@ def test_bad_tables_are_refused_before_reading(tables, lengths, message):
     keys = torch.zeros(4, 4, 1, 8)
     with pytest.raises(RuntimeError, match=message):
         kernel(torch.zeros(1, 2, 8), keys, keys.clone(), torch.tensor(tables), torch.tensor(lengths), 1.0, 0.0, 0)
+
+
+@pytest.mark.parametrize("softcap", [0.0, 30.0])
+@pytest.mark.parametrize(("heads", "kv_heads"), [(4, 2), (9, 3), (2, 2)])
+def test_rows_kernel_matches_attention_over_the_listed_rows(heads, kv_heads, softcap):
+    """Each KV head of each sequence reads its own rows (head regions): the same as softmax
+    attention over exactly those rows."""
+    from kvwise.engine.cpu_kernel import rows_decode_kernel
+
+    kernel = rows_decode_kernel()
+    generator = torch.Generator().manual_seed(3)
+    batch, dim, pool, width = 5, 64, 700, 90
+    query = torch.randn(batch, heads, dim, generator=generator)
+    keys, values = torch.randn(pool, dim, generator=generator), torch.randn(pool, dim, generator=generator)
+    rows = torch.randint(0, pool, (batch, kv_heads, width), generator=generator)
+    lengths = torch.randint(1, width + 1, (batch, kv_heads), generator=generator)
+    out = kernel(query, keys, values, rows, lengths, 0.125, softcap)
+    group = heads // kv_heads
+    for b in range(batch):
+        for head in range(heads):
+            picked = rows[b, head // group, : lengths[b, head // group]]
+            scores = keys[picked] @ query[b, head] * 0.125
+            if softcap:
+                scores = torch.tanh(scores / softcap) * softcap
+            expected = torch.softmax(scores, dim=-1) @ values[picked]
+            torch.testing.assert_close(out[b, head], expected, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_kernel_refuses_rows_outside_the_pool():
+    from kvwise.engine.cpu_kernel import rows_decode_kernel
+
+    kernel = rows_decode_kernel()
+    query, keys = torch.randn(1, 2, 16), torch.randn(10, 16)
+    rows, lengths = torch.tensor([[[3, 10]]]), torch.tensor([[2]])
+    with pytest.raises(RuntimeError, match="row out of range"):
+        kernel(query, keys, keys, rows, lengths, 1.0, 0.0)

@@ -152,7 +152,10 @@ def test_a_per_request_policy_changes_only_that_request(llama):
     _run(core, mixed, until=lambda: squeezed.computed >= len(squeezed.prompt))
     kept = 28  # round(57 * 0.5): ties go to the even count (policies.selection)
     # evicted right after its prefill: each head keeps its 28 tokens in head pages...
-    assert squeezed.region.counts == [[kept] * 2] * 3 and squeezed.region.num_pages == 3 * 2 * math.ceil(kept / 4)
+    page_tokens = core.kv.head_pages.page_tokens
+    assert squeezed.region.counts == [[kept] * 2] * 3 and squeezed.region.num_pages == 3 * 2 * math.ceil(
+        kept / page_tokens
+    )
     assert len(squeezed.blocks) == 0  # ...and the prompt's blocks are freed
     _run(core, [])
     assert [r.output for r in mixed[::2]] == [r.output for r in plain[::2]]  # the others are untouched

@@ -88,8 +88,9 @@ def test_every_policy_holds_its_budget_frees_blocks_and_matches_the_library(llam
         budgets = [head_budgets(scorer, RATIO, [private], layer, layers)[0] for layer in range(layers)]
         assert counts.tolist() == [[budget] * heads for budget in budgets]
     # real memory: the pages hold exactly the kept tokens, rounded up to a page per head
-    assert seen["pages"] == sum(-(-count // BLOCK) for count in counts.flatten().tolist())
-    page_blocks = -(-seen["pages"] // (layers * heads))
+    page_tokens = core.kv.head_pages.page_tokens
+    assert seen["pages"] == sum(-(-count // page_tokens) for count in counts.flatten().tolist())
+    page_blocks = -(-seen["pages"] // (layers * heads * (BLOCK // page_tokens)))
     assert seen["used_blocks"] <= page_blocks + seen["tail_blocks"]
     full_blocks = -(-private // BLOCK)
     assert seen["bytes"] < full_blocks * core.kv.storage.nbytes() // core.kv.pool.num_blocks

@@ -76,6 +76,11 @@ def add_bench_parsers(workloads) -> None:
     throughput.add_argument("--dtype", default=None, help="model dtype (default: the model's, float32 on CPU)")
     throughput.add_argument("--requests", type=int, default=None, help="requests (default 32; 8 with --quick)")
     throughput.add_argument("--systems", type=names, default=None, help="hf-sequential,hf-batched,kvwise")
+    throughput.add_argument(
+        "--mix",
+        default=None,
+        help="a KV mix on every request (e.g. kvzip@0.9): the engine with it, and the library path with and without",
+    )
     throughput.add_argument("--out", type=Path, default=Path("results"))
     throughput.add_argument("--quick", action="store_true", help="8 requests of 64-128 tokens, 16 new tokens")
 
@@ -183,7 +188,7 @@ def _throughput(args) -> None:
         config.requests, config.min_prompt, config.max_prompt, config.new_tokens = 8, 64, 128, 16
     if args.systems is not None:
         args.systems = tuple(args.systems)
-    _override(config, args, ("requests", "systems"))
+    _override(config, args, ("requests", "systems", "mix"))
     run_throughput(config, args.out)
     print((args.out / "throughput.md").read_text())
     print(f"wrote {args.out / 'throughput.json'}")

@@ -36,10 +36,19 @@ class ThroughputConfig:
     model: str | None = None
     dtype: str | None = None  # None: the model's default (float32 on CPU)
     systems: tuple[str, ...] = ("hf-sequential", "hf-batched", "kvwise")
+    # a KV mix on every request (e.g. kvzip@0.9): adds the engine with it, and the library path
+    # (KVWiseCache, one request at a time) with it and without, for the ratio of their times
+    mix: str | None = None
 
     def __post_init__(self):
         if self.requests < 1 or self.new_tokens < 1 or not 1 <= self.min_prompt <= self.max_prompt:
             raise ValueError("need requests >= 1, new_tokens >= 1 and 1 <= min_prompt <= max_prompt")
+        if self.mix is not None:
+            from kvwise.engine.kv_settings import KVSettings
+
+            KVSettings.from_mix(self.mix)  # a clear error for a bad mix before anything runs
+            added = ("kvwise", "kvwise-mix", "library-full", "library-mix")
+            self.systems = tuple(self.systems) + tuple(name for name in added if name not in self.systems)
 
 
 def workload(tokenizer, config: ThroughputConfig) -> list[list[int]]:
@@ -107,19 +116,23 @@ def run_hf(model, prompts, config: ThroughputConfig, batch_size: int, progress) 
     )
 
 
-def run_kvwise(model, tokenizer, prompts, config: ThroughputConfig, progress) -> dict:
+def run_kvwise(model, tokenizer, prompts, config: ThroughputConfig, progress, mix: str | None = None) -> dict:
+    """The engine on every prompt at once; `mix`: the same KV mix on every request (compressed
+    when its prompt's prefill ends)."""
+    from kvwise.engine.kv_settings import KVSettings
     from kvwise.engine.llm import LLM, CacheConfig
     from kvwise.engine.sampling import SamplingParams
 
     llm = LLM(model, CacheConfig(), tokenizer=tokenizer)
     params = SamplingParams(temperature=0, max_tokens=config.new_tokens, ignore_eos=True)
+    kv = KVSettings.from_mix(mix) if mix is not None else None
     started = time.monotonic()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
+    outputs = llm.generate(prompts, params, use_tqdm=False, kv=kv)
     requests = [request for output in outputs for request in output.requests]
     progress.update(len(requests))
     row = _row(
         model,
-        "kvwise",
+        "kvwise" if mix is None else "kvwise-mix",
         config,
         started,
         [r.first_token_time for r in requests],
@@ -127,7 +140,38 @@ def run_kvwise(model, tokenizer, prompts, config: ThroughputConfig, progress) ->
         llm.peak_blocks * llm.cache_config.block_size,
     )
     row["hit_rate"] = sum(r.reused for r in requests) / sum(len(r.prompt) for r in requests)
-    row["config"] = {**row["config"], **asdict(llm.cache_config)}
+    row["config"] = {**row["config"], **asdict(llm.cache_config), "mix": mix}
+    if mix is not None:  # each prompt's KV right after compression, against the same prompt uncompressed
+        kv_manager = llm.engine.kv
+        token_bytes = kv_manager.storage.nbytes() // (kv_manager.pool.num_blocks * kv_manager.block_size)
+        shares = [r.compressed_kv_bytes / (len(r.prompt) * token_bytes) for r in requests]
+        row["compressed_kv_share_max"], row["compressed_kv_share_mean"] = max(shares), statistics.mean(shares)
+    return row
+
+
+def run_library(model, tokenizer, prompts, config: ThroughputConfig, progress, mix: str | None) -> dict:
+    """The library path one request at a time: KVWiseCache with `mix` (or the full cache) over all
+    but the last prompt token, compressed, then the last token and greedy decoding."""
+    from kvwise.engine.kv_settings import KVSettings
+    from kvwise.hf.cache import KVWiseCache
+    from kvwise.hf.generation import greedy_continue
+
+    settings = KVSettings.from_mix(mix) if mix is not None else None
+    started, first, finished = time.monotonic(), [], []
+    for prompt in prompts:
+        ids = torch.tensor([prompt], device=model.device)
+        cache = KVWiseCache(model)
+        if settings is not None:
+            policy = (settings.policy, settings.ratio, settings.max_kv_tokens, tokenizer, settings.quant)
+            cache = KVWiseCache(model, *policy, **settings.options)
+        cache.compress_context(ids[:, :-1])
+        token = greedy_continue(model, cache, ids[:, -1:], 1)
+        first.append(time.monotonic())
+        greedy_continue(model, cache, token, config.new_tokens - 1)
+        finished.append(time.monotonic())
+        progress.update()
+    row = _row(model, "library-full" if mix is None else "library-mix", config, started, first, finished, 0)
+    row["config"] = {"mix": mix}
     return row
 
 
@@ -159,6 +203,11 @@ def run_throughput(config: ThroughputConfig, out_dir: Path) -> dict:
         for system in config.systems:
             if system == "kvwise":
                 results.append(run_kvwise(model, tokenizer, prompts, config, progress))
+            elif system == "kvwise-mix":
+                results.append(run_kvwise(model, tokenizer, prompts, config, progress, config.mix))
+            elif system.startswith("library-"):
+                mix = config.mix if system == "library-mix" else None
+                results.append(run_library(model, tokenizer, prompts, config, progress, mix))
             else:
                 size = 1 if system == "hf-sequential" else config.batch_size
                 results.append(run_hf(model, prompts, config, size, progress))
@@ -197,4 +246,15 @@ def markdown(report: dict) -> str:
             f"{row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f} | {row['tpot_p50_s']:.3f} | {row['hit_rate']:.3f} | "
             f"{row['peak_kv_bytes']:,} |"
         )
+    rows = {row["system"]: row for row in report["results"]}
+    if {"kvwise", "kvwise-mix", "library-full", "library-mix"} <= set(rows):
+        engine = rows["kvwise-mix"]["wall_seconds"] / rows["kvwise"]["wall_seconds"]
+        library = rows["library-mix"]["wall_seconds"] / rows["library-full"]["wall_seconds"]
+        lines += [
+            "",
+            f"`{config['mix']}` on every request: the engine's wall time {engine:.2f}x its own without it "
+            f"(the library path: {library:.2f}x). Each prompt's KV after compression: at most "
+            f"{rows['kvwise-mix']['compressed_kv_share_max']:.3f} of the same prompt uncompressed "
+            f"(mean {rows['kvwise-mix']['compressed_kv_share_mean']:.3f}).",
+        ]
     return "\n".join(lines) + "\n"

@@ -33,6 +33,11 @@ def paged_decode_kernel():
     return getattr(cpu_kernels(), "paged_decode", None)
 
 
+def rows_decode_kernel():
+    """`paged_decode_rows(query, keys, values, rows, lengths, scale, softcap)`, or None."""
+    return getattr(cpu_kernels(), "paged_decode_rows", None)
+
+
 def small_linear_kernel():
     """`small_linear(x [M, K], weight [N, K], bias [N] | None) -> [M, N]`, or None."""
     return getattr(cpu_kernels(), "small_linear", None)

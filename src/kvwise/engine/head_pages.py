@@ -6,24 +6,29 @@ A device block holds `block_size` tokens of every KV head of every layer:
 
 Once a policy has evicted, heads keep different tokens and different numbers of them (Ada-KV,
 PyramidKV, KVzip). Keeping that in whole blocks would hold every head at the longest head's
-length. So a compressed region lives in pages instead: a page is one strip
-keys[layer][block, :, head] of `block_size` tokens, and each (layer, head) of a request owns its
-own list of pages. Any page can hold any layer's and any head's tokens (RoPE is in the keys, and
-the storage is one tensor for all layers), so a block's `layers x kv_heads` pages serve whoever
-needs them: PyramidKV's full lower layers and nearly empty upper ones waste nothing.
+length. So a compressed region lives in pages instead: a page is `page_tokens` consecutive slots
+of one strip keys[layer][block, :, head] (a strip holds block_size / page_tokens pages), and each
+(layer, head) of a request owns its own list of pages. Any page can hold any layer's and any
+head's tokens (RoPE is in the keys, and the storage is one tensor for all layers), so a block's
+pages serve whoever needs them: PyramidKV's full lower layers and nearly empty upper ones waste
+nothing.
 
 `HeadPages` is a slab allocator over the `BlockPool`: it takes a whole block when it runs out of
 free pages and gives the block back (zeroed, through the pool's release hook) when none of its
 pages is in use. Released pages are zeroed at once, so nothing a request held outlives it.
 
-    page = (layer * num_blocks + block) * kv_heads + head
-    cell = ((layer * num_blocks + block) * block_size + offset) * kv_heads + head
+    strip = (layer * num_blocks + block) * kv_heads + head
+    page  = strip * parts + part                  (parts = block_size / page_tokens)
+    cell  = ((layer * num_blocks + block) * block_size + part * page_tokens + offset) * kv_heads + head
 
-A cell indexes `PagedKVStorage.cells()`. A request wastes less than one page per (layer, KV head)
-on partly filled pages.
+A cell indexes `PagedKVStorage.cells()`. A request wastes less than one page (page_tokens - 1
+tokens) per (layer, KV head) on partly filled pages: with 4-token pages, SmolLM2's 30 layers x 3
+KV heads waste at most 270 token rows per request (1,350 with whole 16-token strips).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -32,15 +37,20 @@ from kvwise.kv.paged import PagedKVStorage
 
 
 class HeadPages:
-    def __init__(self, pool: BlockPool, storage: PagedKVStorage):
+    def __init__(self, pool: BlockPool, storage: PagedKVStorage, page_tokens: int | None = None):
+        """page_tokens: tokens per page, a divisor of the block size (default: 4 where it divides)."""
         self.pool, self.storage = pool, storage
         self.block_size, self.num_blocks = pool.block_size, pool.num_blocks
+        self.page_tokens = page_tokens if page_tokens is not None else math.gcd(self.block_size, 4)
+        if self.block_size % self.page_tokens:
+            raise ValueError(f"page_tokens must divide the block size {self.block_size}, got {self.page_tokens}")
+        self.parts = self.block_size // self.page_tokens
         self.kv_heads, self.head_dim = storage.keys[0].shape[2], storage.keys[0].shape[3]
         self.num_layers = len(storage.keys)
         self.free: dict[int, None] = {}  # free pages, in the order they became free (an ordered set)
         self.pages_in_use: dict[int, int] = {}  # block -> its pages in use
         element = storage.keys[0].element_size()
-        self.page_bytes = 2 * self.block_size * self.head_dim * element  # keys and values
+        self.page_bytes = 2 * self.page_tokens * self.head_dim * element  # keys and values
 
     @property
     def used_pages(self) -> int:
@@ -51,16 +61,18 @@ class HeadPages:
         """Device blocks cut into pages (some of their pages may be free)."""
         return len(self.pages_in_use)
 
-    def blocks_needed(self, pages: int) -> int:
-        """Device blocks that `allocate(pages)` would take from the pool."""
-        return -(-max(0, pages - len(self.free)) // (self.num_layers * self.kv_heads))
-
     def _pages_of(self, block: int):
-        heads, blocks = self.kv_heads, self.num_blocks
-        return ((layer * blocks + block) * heads + head for layer in range(self.num_layers) for head in range(heads))
+        heads, blocks, parts = self.kv_heads, self.num_blocks, self.parts
+        return (
+            ((layer * blocks + block) * heads + head) * parts + part
+            for layer in range(self.num_layers)
+            for head in range(heads)
+            for part in range(parts)
+        )
 
     def allocate(self, count: int) -> list[int]:
-        """`count` pages (check `blocks_needed` against the pool first)."""
+        """`count` pages; a block comes from the pool whenever the free pages run out (the caller
+        makes sure the pool has them: a compaction frees at least the blocks it needs)."""
         while len(self.free) < count:
             block = self.pool.allocate(1)[0]
             self.pages_in_use[block] = 0
@@ -74,17 +86,17 @@ class HeadPages:
         return taken
 
     def _block(self, page: int) -> int:
-        return page // self.kv_heads % self.num_blocks
+        return page // self.parts // self.kv_heads % self.num_blocks
 
     def release(self, pages: list[int]) -> None:
         """Zero `pages` and free them; a block none of whose pages is in use goes back to the pool."""
         if not pages:
             return
         index = torch.tensor(pages, dtype=torch.long, device=self.storage.all_keys.device)
-        strips, heads = index // self.kv_heads, index % self.kv_heads
-        shape = (-1, *self.storage.all_keys.shape[2:])  # [layers * blocks, block_size, kv_heads, head_dim]
-        self.storage.all_keys.view(shape)[strips, :, heads] = 0
-        self.storage.all_values.view(shape)[strips, :, heads] = 0
+        cells = self._cells(index[:, None], torch.arange(self.page_tokens, device=index.device)[None, :])
+        keys, values = self.storage.cells()
+        keys[cells.flatten()] = 0
+        values[cells.flatten()] = 0
         self.free.update(dict.fromkeys(pages))
         emptied = []
         for page in pages:
@@ -109,7 +121,12 @@ class HeadPages:
         for head, (head_pages, count) in enumerate(zip(pages, counts)):
             if count == 0:
                 continue
-            page = torch.tensor(head_pages, dtype=torch.long, device=device)[offsets[:count] // self.block_size]
-            slot = (page // self.kv_heads) * self.block_size + offsets[:count] % self.block_size
-            cells[head, :count] = slot * self.kv_heads + page % self.kv_heads
+            page = torch.tensor(head_pages, dtype=torch.long, device=device)[offsets[:count] // self.page_tokens]
+            cells[head, :count] = self._cells(page, offsets[:count] % self.page_tokens)
         return cells, offsets[None, :] < torch.tensor(counts, device=device)[:, None]
+
+    def _cells(self, page: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
+        """The cell of token `offset` of page `page` (broadcast together)."""
+        strip, part = page // self.parts, page % self.parts
+        slot = (strip // self.kv_heads) * self.block_size + part * self.page_tokens + offset
+        return slot * self.kv_heads + strip % self.kv_heads

@@ -15,7 +15,7 @@ written (the runner and the next eviction read them every step).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -33,6 +33,7 @@ class HeadRegion:
     page_ids: list[torch.Tensor] | None = None  # quantized: [layer] -> [P] its page ids, head after head
     rows: list[torch.Tensor] | None = None  # quantized: [layer] -> [kv_heads, width] rows of the restored pages
     holders: int = 1  # requests reading it, plus the compressed-prefix cache when published there
+    _stacked: tuple | None = field(default=None, repr=False)
 
     def read(self, storage: PagedKVStorage, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values [kv_heads, width, head_dim] of `layer` (zeros or copies in padding)."""
@@ -41,6 +42,15 @@ class HeadRegion:
             return keys[self.cells[layer]], values[self.cells[layer]]
         keys, values = self.quant.read(self.page_ids[layer])  # [P, block_size, head_dim]
         return keys.flatten(0, 1)[self.rows[layer]], values.flatten(0, 1)[self.rows[layer]]
+
+    def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Device pages only: cells [layers, kv_heads, width] (padded to the widest layer) and
+        counts [layers, kv_heads], made once (the CPU decode kernel reads them every step)."""
+        if self._stacked is None:
+            width = max(cells.shape[1] for cells in self.cells)
+            cells = torch.stack([torch.nn.functional.pad(cells, (0, width - cells.shape[1])) for cells in self.cells])
+            self._stacked = (cells, torch.tensor(self.counts, device=cells.device))
+        return self._stacked
 
     @property
     def num_pages(self) -> int:

@@ -485,7 +485,8 @@ class KVCacheManager:
         pages, cells = [], []
         all_keys, all_values = self.storage.cells()
         for (layer_counts, keys, values, _, _), layer_valid in zip(kept, valid):
-            layer_pages = [self.head_pages.allocate(-(-count // self.block_size)) for count in layer_counts]
+            per_page = self.head_pages.page_tokens
+            layer_pages = [self.head_pages.allocate(-(-count // per_page)) for count in layer_counts]
             layer_cells, _ = self.head_pages.cells(layer_pages, layer_counts, keys.device)
             all_keys[layer_cells[layer_valid]] = keys
             all_values[layer_cells[layer_valid]] = values

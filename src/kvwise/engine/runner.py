@@ -26,10 +26,11 @@ import torch.nn.functional as F
 
 from kvwise.engine.block_table import Place
 from kvwise.engine.compaction import Compaction
-from kvwise.engine.cpu_kernel import paged_decode_kernel, small_linear_kernel
+from kvwise.engine.cpu_kernel import paged_decode_kernel, rows_decode_kernel, small_linear_kernel
 from kvwise.engine.cpu_linear import SmallRowLinears
 from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.scheduler import Chunk
+from kvwise.hf.geometry import kv_geometry
 from kvwise.kv.paged import PagedKVStorage
 
 ATTENTION_NAME = "kvwise_paged"
@@ -62,6 +63,7 @@ class AttentionGroup:
     key_positions: torch.Tensor | None = None
     region_query_positions: torch.Tensor | None = None
     lengths: torch.Tensor | None = None  # [C] int64: CPU-kernel decode group, chunk c sees keys < lengths[c]
+    rows: RowsDecode | None = None  # CPU-kernel decode group of requests with head regions
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def window_mask(self, window: int) -> torch.Tensor:
@@ -99,6 +101,36 @@ class MixedBlocks:
 
 
 @dataclass
+class RowsDecode:
+    """Decode tokens of requests whose KV heads hold different tokens (head regions), for the CPU
+    kernel that reads rows listed per KV head in place: each chunk's block keys (its shared prefix
+    and tail, the same for every head) and its region's rows.
+
+    block_cells: [C, kv_heads, B] the block keys' cells in layer 0 (a layer adds `layer_cells`);
+    block_lengths: [C]; region_cells: [C, layers, kv_heads, W] (global cells);
+    region_counts: [C, layers, kv_heads].
+    """
+
+    block_cells: torch.Tensor
+    block_lengths: torch.Tensor
+    region_cells: torch.Tensor
+    region_counts: torch.Tensor
+    layer_cells: int
+
+    def at(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """rows [C, kv_heads, W + B] (each head's region rows, then the block keys) and lengths
+        [C, kv_heads] for `layer`."""
+        counts = self.region_counts[:, layer]
+        chunks, heads, width = self.region_cells.shape[0], self.region_cells.shape[2], self.region_cells.shape[3]
+        blocks = self.block_cells.shape[2]
+        rows = self.block_cells.new_zeros(chunks, heads, width + blocks)
+        rows[..., :width] = self.region_cells[:, layer]
+        after = counts[..., None] + torch.arange(blocks, device=rows.device)  # right after the region's rows
+        rows.scatter_(2, after, self.block_cells + layer * self.layer_cells)
+        return rows, counts + self.block_lengths[:, None]
+
+
+@dataclass
 class StepLayout:
     """Where each flat token goes, for one forward: slots [T] int64 pool slot of each token, and
     the attention groups (all decode tokens together; each prefill chunk on its own, so one long
@@ -109,6 +141,7 @@ class StepLayout:
     groups: list[AttentionGroup]
     compactions: list = field(default_factory=list)  # Compaction, ContextPass: `apply` after each layer
     decode_kernel: object = None  # cpu_kernel.paged_decode_kernel(), for groups with `lengths`
+    rows_kernel: object = None  # cpu_kernel.rows_decode_kernel(), for groups with `rows`
 
 
 @dataclass
@@ -132,6 +165,13 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")  # Gemma 2/3, Mistral, Qwen2 hybrids
     outputs = []
     for group in layout.groups:
+        if group.rows is not None:  # one query per chunk, each KV head's own rows read in place
+            queries = query[0, :, group.first : group.last].transpose(0, 1)  # [C, heads, dim]
+            rows, lengths = group.rows.at(layer)
+            keys, values = storage.cells()
+            scale = scaling if scaling is not None else head_dim**-0.5
+            outputs.append(layout.rows_kernel(queries, keys, values, rows, lengths, scale, softcap or 0.0))
+            continue
         if group.lengths is not None:  # one query per chunk, blocks read in place by the CPU kernel
             queries = query[0, :, group.first : group.last].transpose(0, 1)  # [C, heads, dim]
             scale = scaling if scaling is not None else head_dim**-0.5
@@ -263,6 +303,9 @@ class ModelRunner:
         # blocks in place and measured 4x faster than gather + padded SDPA for a decode batch
         on_cpu = storage.keys[0].device.type == "cpu" and storage.keys[0].dtype == torch.float32
         self.decode_kernel = paged_decode_kernel() if on_cpu and cpu_kernel else None
+        # sliding-window layers mask region rows by position, which the rows kernel does not do
+        windowed = any(window is not None for window in kv_geometry(model).windows)
+        self.rows_kernel = rows_decode_kernel() if on_cpu and cpu_kernel and not windowed else None
         linear = small_linear_kernel() if on_cpu and cpu_kernel else None
         self.small_row_linears = SmallRowLinears(model, linear) if linear is not None else None
 
@@ -280,11 +323,13 @@ class ModelRunner:
         # the kernel pads nothing, so all plain decodes form one group; SDPA pads each group to its
         # longest row, so it gets buckets of similar lengths
         plain_groups = [plain] if self.decode_kernel and plain else decode_buckets(plain, self.block_size)
-        buckets = plain_groups + [[c] for c in decodes if _own_group(c.request)]
+        by_rows = [c for c in decodes if self._reads_rows(c.request)]
+        alone = [[c] for c in decodes if _own_group(c.request) and not self._reads_rows(c.request)]
+        buckets = plain_groups + ([by_rows] if by_rows else []) + alone
         prefills = [c for c in chunks if c.end - c.start > 1]
         ordered = [chunk for bucket in buckets for chunk in bucket] + prefills  # the flat token order
         layout = self._layout(buckets, prefills, device)
-        layout.decode_kernel = self.decode_kernel
+        layout.decode_kernel, layout.rows_kernel = self.decode_kernel, self.rows_kernel
         layout.compactions = _place(compactions or [], ordered)
         ids = torch.tensor([[t for c in ordered for t in c.request.tokens[c.start : c.end]]], device=device)
         positions = torch.tensor([[p for c in ordered for p in range(c.start, c.end)]], device=device)
@@ -297,6 +342,40 @@ class ModelRunner:
         row = {id(chunk): index for index, chunk in enumerate(ordered)}
         return ForwardOutput(logits[0, [row[id(chunk)] for chunk in chunks]], layout.compactions)
 
+    def _reads_rows(self, request) -> bool:
+        """Its decode goes to the rows kernel: a region in device pages, no quantized blocks."""
+        region = request.region
+        return (
+            self.rows_kernel is not None
+            and region is not None
+            and region.quant is None
+            and Place.QUANTIZED not in request.blocks.places
+        )
+
+    def _rows_group(self, chunks: list[Chunk], first: int, device) -> AttentionGroup:
+        storage, block = self.storage, self.block_size
+        heads = storage.keys[0].shape[2]
+        ends = [_kv_span(c)[1] for c in chunks]
+        slots = torch.zeros(len(chunks), max(ends), dtype=torch.long, device=device)
+        for row, (chunk, end) in enumerate(zip(chunks, ends)):
+            indices = torch.arange(end, device=device)
+            table = torch.tensor(chunk.request.blocks.block_ids, dtype=torch.long, device=device)
+            slots[row, :end] = table[indices // block] * block + indices % block
+        block_cells = slots[:, None, :] * heads + torch.arange(heads, device=device)[None, :, None]
+        stacked = [chunk.request.region.stacked() for chunk in chunks]
+        width = max(cells.shape[-1] for cells, _ in stacked)
+        region_cells = torch.stack([F.pad(cells, (0, width - cells.shape[-1])) for cells, _ in stacked])
+        rows = RowsDecode(
+            block_cells,
+            torch.tensor(ends, device=device),
+            region_cells,
+            torch.stack([counts for _, counts in stacked]),
+            storage.keys[0].shape[0] * block * heads,
+        )
+        positions = torch.tensor([c.end - 1 for c in chunks], device=device)[:, None]
+        empty = torch.zeros(0, dtype=torch.long, device=device)
+        return AttentionGroup(first, first + len(chunks), len(chunks), empty, 0, None, positions, rows=rows)
+
     def _slot(self, request, index: int) -> int:
         """The pool slot of KV index `index` of `request`."""
         return request.blocks.block_ids[index // self.block_size] * self.block_size + index % self.block_size
@@ -306,7 +385,8 @@ class ModelRunner:
         slots = [self._slot(c.request, i) for c in ordered for i in range(*_kv_span(c))]
         groups, first = [], 0
         for bucket in buckets:
-            groups.append(self._decode_group(bucket, first, device))
+            reads_rows = self._reads_rows(bucket[0].request)
+            groups.append((self._rows_group if reads_rows else self._decode_group)(bucket, first, device))
             first += len(bucket)
         for chunk in prefills:
             groups.append(self._prefill_group(chunk, first, device))

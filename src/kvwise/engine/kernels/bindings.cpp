@@ -3,11 +3,15 @@
 
 torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
                            torch::Tensor lengths, double scale, double softcap, int64_t window);
+torch::Tensor paged_decode_rows(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor rows,
+                                torch::Tensor lengths, double scale, double softcap);
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released: the server's event loop keeps streaming while the engine thread is here
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool (CPU, float32)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("paged_decode_rows", &paged_decode_rows, "decode attention over rows listed per KV head (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());
   m.def("small_linear", &small_linear, "x @ weight.T + bias for a few rows of x (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());

@@ -364,3 +364,97 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tenso
   });
   return output;
 }
+
+// Decode attention over rows listed one by one: a sequence whose KV heads hold different tokens
+// (after an eviction, kvwise's head pages) reads, per KV head, its own rows in place.
+// query:   [B, H, D] float32
+// keys:    [N, D] float32, every row of the pool (all layers: a row is a cell), values alike
+// rows:    [B, KVH, R] int64, each sequence's rows per KV head (padding past its length unread)
+// lengths: [B, KVH] int64, rows 0 .. length-1 are seen
+// scale, softcap: as paged_decode; returns [B, H, D]
+torch::Tensor paged_decode_rows(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor rows,
+                                torch::Tensor lengths, double scale, double softcap) {
+  TORCH_CHECK(query.dim() == 3 && keys.dim() == 2 && values.sizes() == keys.sizes() && rows.dim() == 3 &&
+                  lengths.dim() == 2,
+              "paged_decode_rows: bad shapes");
+  TORCH_CHECK(query.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() &&
+                  rows.device().is_cpu() && lengths.device().is_cpu(),
+              "paged_decode_rows: CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat && keys.scalar_type() == torch::kFloat &&
+                  values.scalar_type() == torch::kFloat,
+              "paged_decode_rows: float32 only");
+  TORCH_CHECK(rows.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong,
+              "paged_decode_rows: int64 rows and lengths");
+  query = query.contiguous();
+  keys = keys.contiguous();
+  values = values.contiguous();
+  rows = rows.contiguous();
+  lengths = lengths.contiguous();
+  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t kv_heads = rows.size(1), width = rows.size(2), num_rows = keys.size(0);
+  TORCH_CHECK(keys.size(1) == dim && heads % kv_heads == 0 && rows.size(0) == batch && lengths.size(0) == batch &&
+                  lengths.size(1) == kv_heads,
+              "paged_decode_rows: query, pool and rows disagree");
+  const int64_t group = heads / kv_heads;
+  const int64_t* length_of = lengths.data_ptr<int64_t>();
+  const int64_t* rows_of = rows.data_ptr<int64_t>();
+  for (int64_t task = 0; task < batch * kv_heads; ++task) {
+    TORCH_CHECK(length_of[task] >= 1 && length_of[task] <= width, "paged_decode_rows: length out of range");
+    for (int64_t t = 0; t < length_of[task]; ++t)
+      TORCH_CHECK(rows_of[task * width + t] >= 0 && rows_of[task * width + t] < num_rows,
+                  "paged_decode_rows: row out of range");
+  }
+  auto output = torch::empty_like(query);
+  const float* q_all = query.data_ptr<float>();
+  const float* k_pool = keys.data_ptr<float>();
+  const float* v_pool = values.data_ptr<float>();
+  float* out_all = output.data_ptr<float>();
+  const float scale_f = static_cast<float>(scale), cap = static_cast<float>(softcap);
+  // a task is one KV head of one sequence with its group of query heads; longest first
+  const int64_t tasks = batch * kv_heads;
+  std::vector<int64_t> order(tasks);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return length_of[x] > length_of[y]; });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> scores;
+    for (int64_t taken = next++; taken < tasks; taken = next++) {
+      const int64_t task = order[taken], n = length_of[task];
+      const int64_t* row = rows_of + task * width;
+      const float* q = q_all + task * group * dim;  // the group's query heads are consecutive
+      scores.resize(group * n);
+      int64_t t = 0;
+      for (; t + 4 <= n; t += 4) {
+        const float* k[4] = {k_pool + row[t] * dim, k_pool + row[t + 1] * dim, k_pool + row[t + 2] * dim,
+                             k_pool + row[t + 3] * dim};
+        if (t + PREFETCH_ROWS + 4 <= n)
+          for (int64_t j = 0; j < 4; ++j) prefetch_row(k_pool + row[t + PREFETCH_ROWS + j] * dim, dim);
+        for (int64_t h = 0; h < group; ++h) {
+          float four[4];
+          dot4(q + h * dim, k, dim, four);
+          for (int64_t j = 0; j < 4; ++j) scores[h * n + t + j] = four[j];
+        }
+      }
+      for (; t < n; ++t)
+        for (int64_t h = 0; h < group; ++h) scores[h * n + t] = dot(q + h * dim, k_pool + row[t] * dim, dim);
+      for (int64_t i = 0; i < group * n; ++i) scores[i] *= scale_f;
+      if (cap > 0.f)
+        for (int64_t i = 0; i < group * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
+      float* out = out_all + task * group * dim;
+      std::fill(out, out + group * dim, 0.f);
+      for (int64_t h = 0; h < group; ++h) {
+        float* s = scores.data() + h * n;
+        const float total = exp_shifted(s, n, *std::max_element(s, s + n));
+        for (t = 0; t < n; t += ROWS) {
+          const int64_t count = std::min<int64_t>(ROWS, n - t);
+          const float* v[ROWS];
+          for (int64_t j = 0; j < count; ++j) v[j] = v_pool + row[t + j] * dim;
+          weighted_sum(s + t, v, count, out + h * dim, dim);
+        }
+        const float inverse = 1.f / total;
+        for (int64_t d = 0; d < dim; ++d) out[h * dim + d] *= inverse;
+      }
+    }
+  });
+  return output;
+}

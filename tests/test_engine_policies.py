@@ -222,3 +222,27 @@ def test_kvzip_s_pass_in_chunks_beside_other_work_matches_the_library(llama):
     assert sum(passes) >= 3  # the pass took several steps
     assert request.output == _library_tokens(llama, ids, "kvzip")
     assert len(other.output) == 30 and core.kv.pool.stats().used == 0
+
+
+@pytest.mark.smollm
+@pytest.mark.parametrize("policy", ["snapkv", "adakv", "pyramidkv", "kvzip"])
+def test_on_smollm_the_engine_answers_as_the_library_does(smollm, policy):
+    """The embedded SmolLM2: the same document compressed the same way gives the same greedy
+    answer in the engine as with `KVWiseCache`."""
+    model, tokenizer = smollm
+    text = " ".join(f"Locker {n} holds a {c} umbrella." for n, c in enumerate(["red", "blue", "green"] * 8))
+    ids = torch.tensor([tokenizer(text + " Which colour is the umbrella in locker 4? It is").input_ids])
+    core = EngineCore(model, tokenizer, CacheConfig(num_blocks=256, token_budget=128, prefix_caching=False))
+    request = core.make_request(
+        ids[0].tolist(),
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        kv=KVSettings(policy, ratio=0.75),
+        compress_upto=ids.shape[1] - 1,
+    )
+    _run(core, [request])
+    cache = KVWiseCache(model, policy, 0.75, tokenizer=tokenizer)
+    cache.compress_context(ids[:, :-1])
+    expected = model.generate(
+        ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+    )
+    assert request.output == expected[0, ids.shape[1] :].tolist()

@@ -5,7 +5,7 @@ Scoring happens inside the forward that computed the tokens: the attention funct
 at hand (what SnapKV-style policies score with). The request's private KV (its region, then its
 tail: `PrivateKV`) is read from the pool, scored, and the layer's keep mask is stored. Policies
 whose budget is shared by every layer (KVzip) keep the scores instead and select over all layers
-in `kept()`, after the forward (and after KVzip's reconstruction pass, `ContextPass`). The
+in `kept()`, after the forward (and after KVzip's reconstruction pass, `ReconstructionPass`). The
 `KVCacheManager` then moves the kept tokens into head pages and frees the rest.
 
 Budgets are the library path's (`policies.selection`): a ratio compaction keeps
@@ -160,7 +160,7 @@ class Compaction:
             budgets = head_budgets(self.policy, self.ratio, [self.ratio_tokens], rank, len(budget_layers))
             scoring.budget, scoring.row_budgets = budgets[0], torch.tensor(budgets, device=keys.device)
             if self.global_budget:
-                if not self.needs_context_pass:  # KVzip's pass scores later, in ContextPass
+                if not self.needs_context_pass:  # KVzip's pass scores later, in ReconstructionPass
                     self.scores[layer] = self.policy.score(scoring).float()[0]
             else:
                 keep = select_in_layer(self.policy, self.policy.score(scoring), scoring, scoring.row_budgets)[0]

@@ -5,19 +5,22 @@ swap and the quantized pools, and it is the only writer of requests' block table
 decides who runs; it asks here first and then acts, in the way of vLLM v1's KVCacheManager and
 nano-vllm's block manager, so nothing fails halfway:
 
-    match(request)                      take the prompt's cached prefix (device, then the tiers)
+    match(request)                      take the prompt's cached prefix (device, then the tiers), or
+                                        its document compressed once (compressed prefixes)
     can_allocate / allocate(request, tokens)   blocks for the request's first `tokens` tokens
     free(request)                       give everything back (device, quantized, host copy, locks)
     cache_prompt(request, upto)         publish its computed full blocks to the prefix cache
     can_swap_out / swap_out, can_swap_in / swap_in      preemption to host memory and back
     plan_compactions(chunks), apply_compaction(request, compaction)   per-request eviction into
                                         head pages (each KV head keeps its own tokens)
+    can_borrow, finish_reconstruction   KVzip's reconstruction pass: its blocks, then its result
     quantize_settled(requests)          per-request kv_quant of settled private blocks
     stats() -> KVStats                  what the metrics and benches report
 
 Cached prefixes are reclaimable memory: `can_allocate` evicts unlocked ones (to the tiers, when
-there are tiers) before it answers, as vLLM reuses free cached blocks. It never touches a running
-request: preempting one is the scheduler's decision.
+there are tiers), then compressed documents no request reads, before it answers, as vLLM reuses
+free cached blocks. It never touches a running request: preempting one is the scheduler's
+decision.
 """
 
 from __future__ import annotations

@@ -139,7 +139,7 @@ class StepLayout:
     storage: PagedKVStorage
     slots: torch.Tensor
     groups: list[AttentionGroup]
-    compactions: list = field(default_factory=list)  # Compaction, ContextPass: `apply` after each layer
+    compactions: list = field(default_factory=list)  # Compaction, ReconstructionPass: `apply` after each layer
     decode_kernel: object = None  # cpu_kernel.paged_decode_kernel(), for groups with `lengths`
     rows_kernel: object = None  # cpu_kernel.rows_decode_kernel(), for groups with `rows`
 
@@ -314,7 +314,7 @@ class ModelRunner:
         """Compute the chunks' tokens: the logits after each chunk's last token, and the compactions.
 
         compactions: what to score after each layer for some of the chunks (`Compaction` from
-        `KVCacheManager.plan_compactions`, or a `ContextPass`), each naming its `chunk`; the
+        `KVCacheManager.plan_compactions`, or a `ReconstructionPass`), each naming its `chunk`; the
         runner tells each where its chunk's queries are in the flat step.
         """
         device = self.model.device

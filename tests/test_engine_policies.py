@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvwise.engine.block_table import Place
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
 from kvwise.engine.kv_settings import KVSettings
@@ -24,6 +25,7 @@ from tests.conftest import random_ids
 pytestmark = pytest.mark.timeout(300)
 
 EVICTING = sorted(name for name, policy in policy_classes().items() if not policy.keeps_everything)
+# quest keeps everything and narrows what each decode step reads: its own test below
 PROMPT, NEW_TOKENS, RATIO, BLOCK = 61, 8, 0.6, 4
 
 
@@ -246,3 +248,43 @@ def test_on_smollm_the_engine_answers_as_the_library_does(smollm, policy):
         ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
     )
     assert request.output == expected[0, ids.shape[1] :].tolist()
+
+
+def test_quest_reads_only_its_top_pages_and_matches_the_library(llama):
+    """Quest evicts nothing: each decode step reads the top half of each KV head's 16-token pages
+    (and the newest), and answers as the library path's Quest does."""
+    ids = random_ids(1, 120, seed=13)
+    core = _engine(llama)
+    request = core.make_request(
+        ids[0].tolist(),
+        SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        kv=KVSettings("quest", ratio=0.5),
+    )
+    _run(core, [request])
+    cache = KVWiseCache(llama, "quest", 0.5)
+    expected = llama.generate(
+        ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False
+    )
+    assert request.output == expected[0, ids.shape[1] :].tolist()
+    assert 0 < request.kv_bytes_read < 0.65 * request.kv_bytes_held_read
+    assert request.region is None and core.kv.pool.stats().used == 0
+
+
+@pytest.mark.parametrize("quant", QUANTIZERS)
+def test_quest_composes_with_every_quantizer(llama, quant):
+    core = _engine(llama)
+    request = core.make_request(
+        random_ids(1, 120, seed=14)[0].tolist(),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
+        kv=KVSettings(
+            "quest", ratio=0.5, quant=f"{quant}:residual_length=16:group_size=16" if quant.startswith("kivi") else quant
+        ),
+    )
+    quantized = False
+    core.add(request)
+    while core.has_work:
+        core.step()
+        quantized |= Place.QUANTIZED in request.blocks.places
+    assert quantized and len(request.output) == 12
+    assert 0 < request.kv_bytes_read < 0.65 * request.kv_bytes_held_read
+    assert core.kv.pool.stats().used == 0

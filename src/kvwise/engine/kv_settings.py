@@ -11,6 +11,8 @@
   back to the pool, zeroed.
 - `max_kv_tokens`: whenever a head's private tokens exceed it by a block, the policy evicts down
   to it again (H2O and Scissorhands keep their running statistics per request meanwhile).
+- `quest` + `ratio`: nothing is evicted; each decode step reads only the top (1 - ratio) pages of
+  each KV head (and the newest), chosen by the query; the request counts the bytes it read.
 - `quant` (kivi2, kivi4, int8, fp8): once the prefill is done, full private blocks outside the
   quantizer's residual window (and the first, sink block) are stored quantized (`QuantPool`).
 
@@ -67,5 +69,10 @@ class KVSettings:
         return not self.scorer.keeps_everything and (self.ratio > 0 or self.max_kv_tokens is not None)
 
     @property
+    def selects_pages(self) -> bool:
+        """Quest: nothing is evicted, and each decode step reads only the top pages per KV head."""
+        return hasattr(self.scorer, "select_pages") and self.ratio > 0
+
+    @property
     def active(self) -> bool:
-        return self.evicts or self.quant is not None
+        return self.evicts or self.quant is not None or self.selects_pages

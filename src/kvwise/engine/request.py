@@ -52,6 +52,8 @@ class Request:
     # (query-agnostic: a document compressed without the question after it); None: at prefill's end
     compress_upto: int | None = None
     compressed_kv_bytes: int | None = None  # the KV bytes it held right after its ratio compression
+    kv_bytes_read: int = 0  # keys and values its decode steps read (Quest reads a part of them)
+    kv_bytes_held_read: int = 0  # what those steps would have read over everything it holds
     reconstruction: Any = None  # its KVzip ReconstructionPass while it runs (it waits meanwhile)
     compressed_hit: bool = False  # it found its document compressed already (compress_upto) and reused it
     recompute_to: int | None = None  # set by a recompute preemption: len(tokens) then

@@ -64,6 +64,7 @@ class AttentionGroup:
     region_query_positions: torch.Tensor | None = None
     lengths: torch.Tensor | None = None  # [C] int64: CPU-kernel decode group, chunk c sees keys < lengths[c]
     rows: RowsDecode | None = None  # CPU-kernel decode group of requests with head regions
+    quest: object = None  # one decode chunk whose request reads only its top pages (Quest): the request
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     def window_mask(self, window: int) -> torch.Tensor:
@@ -180,6 +181,9 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             capped, windowed = softcap or 0.0, window or 0
             outputs.append(layout.decode_kernel(queries, keys, values, tables, group.lengths, scale, capped, windowed))
             continue
+        if group.quest is not None:
+            outputs.append(_quest_attend(group, storage, layer, query, scaling, softcap))
+            continue
         # index_select reads whole blocks; advanced indexing with a 2-D table is 4x slower on CPU
         shape = (group.chunks, -1, kv_heads, head_dim)
         if group.mixed is not None:
@@ -212,6 +216,44 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     for compaction in layout.compactions:  # after attention: this forward's queries saw every token
         compaction.apply(storage, layer, query, scaling)
     return torch.cat(outputs)[None], None  # [1, T, heads, dim]
+
+
+def _quest_attend(group: AttentionGroup, storage, layer: int, query, scaling, softcap):
+    """One decode token of a Quest request: the policy picks each KV head's top pages by the
+    query's upper bound on q.k (the newest page always), and the token attends to those and to
+    itself. Returns [1, heads, dim]; the bytes read are added to the request's counters."""
+    request = group.quest
+    if group.mixed is not None:
+        keys, values = group.mixed.read(storage, layer)
+    else:
+        keys, values = (
+            storage.keys[layer].index_select(0, group.blocks),
+            storage.values[layer].index_select(0, group.blocks),
+        )
+    end = group.keys_per_chunk
+    keys = keys.flatten(0, 1)[:end].transpose(0, 1)[None]  # [1, kv_heads, end, dim]
+    values = values.flatten(0, 1)[:end].transpose(0, 1)[None]
+    valid = torch.ones(keys.shape[:3], dtype=torch.bool, device=keys.device)
+    step = PagesStep(keys, values, valid, end - 1)
+    queries = query[:, :, group.first : group.last]  # [1, heads, 1, dim]
+    selected_keys, selected_values, seen = request.kv.scorer.select_pages(step, queries, request.kv.ratio)
+    seen = torch.cat([seen, valid[:, :, -1:]], dim=-1)  # and the token itself
+    mask = seen.repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)[:, :, None, :]  # [1, heads, 1, n]
+    request.kv_bytes_read += selected_keys.nbytes + selected_values.nbytes
+    request.kv_bytes_held_read += keys.nbytes + values.nbytes
+    output = _attend(queries, selected_keys, selected_values, mask, False, scaling, softcap)
+    return output.transpose(1, 2).flatten(0, 1)
+
+
+@dataclass
+class PagesStep:
+    """What Quest's `select_pages` reads: keys, values [1, kv_heads, n, dim] (the cached tokens,
+    then the new one), valid [1, kv_heads, n], and how many are cached."""
+
+    keys: torch.Tensor
+    values: torch.Tensor
+    valid: torch.Tensor
+    prefix_len: int
 
 
 def _with_region(group: AttentionGroup, storage, layer: int, keys, values, window: int | None, num_heads: int):
@@ -420,6 +462,7 @@ class ModelRunner:
                 positions,
                 first_block=_run_start(table),
                 mixed=mixed,
+                quest=chunks[0].request if _selects_pages(chunks[0].request) else None,
                 **_region_fields(chunks[0], device),
             )
         return AttentionGroup(
@@ -506,9 +549,14 @@ def _region_fields(chunk: Chunk, device) -> dict:
 
 
 def _own_group(request) -> bool:
-    """Its decode attends alone: quantized blocks or a head region to read besides its table."""
+    """Its decode attends alone: quantized blocks or a head region to read besides its table, or
+    Quest's page selection."""
     quantized = request.kv is not None and request.kv.quant is not None and Place.QUANTIZED in request.blocks.places
-    return quantized or request.region is not None
+    return quantized or request.region is not None or _selects_pages(request)
+
+
+def _selects_pages(request) -> bool:
+    return request.kv is not None and request.kv.selects_pages and request.region is None
 
 
 def _kv_span(chunk: Chunk) -> tuple[int, int]:

@@ -5,6 +5,7 @@ with the same mix; they compute only their question."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
@@ -72,7 +73,7 @@ def test_compressed_documents_give_way_under_memory_pressure_and_are_zeroed(llam
         _ask(core, QUESTIONS[0], document=document)
     assert core.kv.compressed.evictions > 0
     while len(core.kv.compressed):
-        core.kv._let_go(core.kv.compressed.evict_one().region)
+        core.kv._let_go(core.kv.compressed.evict_one()[1].region)
     core.kv.tree.evict(core.kv.pool.num_blocks)
     assert core.kv.pool.stats().used == 0 and core.kv.head_pages.used_pages == 0
     assert not core.kv.storage.all_keys.any() and not core.kv.storage.all_values.any()
@@ -83,3 +84,45 @@ def test_a_document_as_long_as_the_prompt_is_compressed_but_not_reused(llama):
     _ask(core, [], document=DOCUMENT)
     again = _ask(core, [], document=DOCUMENT)
     assert _first_chunk_start(core, again) == 0 and len(again.output) == PARAMS.max_tokens
+
+
+@pytest.mark.parametrize("tier_kind", ["host", "disk"])
+@pytest.mark.parametrize("mix", ["kvzip@0.75", "snapkv@0.7+kivi4:group_size=4,residual_length=4", "h2o@0.6"])
+def test_a_document_pushed_off_the_device_comes_back_from_a_tier_bit_for_bit(llama, mix, tier_kind, tmp_path):
+    from kvwise.tiers.disk import DiskTier
+    from kvwise.tiers.host import HostTier
+
+    tier = HostTier(1 << 28) if tier_kind == "host" else DiskTier(tmp_path)
+    core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=48, token_budget=128), tiers=[tier])
+    first = _ask(core, QUESTIONS[0], mix)
+    entry = next(iter(core.kv.compressed.entries.values()))
+    region = entry.region
+    before = [part.clone() for layer in range(3) for part in region.read(core.kv.storage, layer)]
+    for seed in range(8):  # other documents push it off the device, to the tier
+        _ask(core, QUESTIONS[0], mix, document=random_ids(1, 80, seed=40 + seed)[0].tolist())
+    assert core.kv.compressed.spilled > 0 and entry not in core.kv.compressed.entries.values()
+    again = _ask(core, QUESTIONS[0], mix)
+    assert core.kv.compressed.restored >= 1 and again.compressed_hit
+    assert _first_chunk_start(core, again) == len(DOCUMENT)  # only the question was computed
+    assert again.output == first.output
+    restored = next(e for e in core.kv.compressed.entries.values() if e.tokens == tuple(DOCUMENT))
+    after = [part for layer in range(3) for part in restored.region.read(core.kv.storage, layer)]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))  # quantized codes came back as they were
+    assert restored.region.counts == region.counts
+
+
+def test_a_tier_entry_of_an_older_format_is_a_miss(llama, monkeypatch, tmp_path):
+    from kvwise.tiers import payload
+    from kvwise.tiers.disk import DiskTier
+
+    tier = DiskTier(tmp_path)
+    core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=48, token_budget=128), tiers=[tier])
+    monkeypatch.setattr(payload, "VERSION", 1)  # written by a kvwise that knew no head regions
+    _ask(core, QUESTIONS[0])
+    for seed in range(8):
+        _ask(core, QUESTIONS[0], document=random_ids(1, 80, seed=40 + seed)[0].tolist())
+    monkeypatch.setattr(payload, "VERSION", 2)
+    assert core.kv.compressed.spilled > 0
+    again = _ask(core, QUESTIONS[1])
+    assert not again.compressed_hit and core.kv.compressed.restored == 0
+    assert tier.stats.corrupt > 0  # read, refused, deleted

@@ -14,7 +14,9 @@ region read-only and computes only its question.
 
 A region is held by the cache and by every request reading it (`HeadRegion.holders`); its pages
 go back (zeroed) when the last holder lets go. Under memory pressure the least recently used
-entries that no running request reads are dropped, after the prefix cache's unlocked blocks.
+entries that no running request reads are dropped, after the prefix cache's unlocked blocks;
+with prefix tiers they are written there first (`compressed_payload.py`) and a later request
+brings them back, quantized codes bit for bit.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ class CompressedPrefixes:
     def __init__(self):
         self.entries: OrderedDict[bytes, CompressedEntry] = OrderedDict()  # least recently used first
         self.hits = self.misses = self.evictions = 0
+        self.spilled = self.restored = 0  # entries written to the tiers, and brought back from them
         self.hit_tokens = 0  # document tokens not computed again thanks to a hit
 
     def __len__(self) -> int:
@@ -65,13 +68,14 @@ class CompressedPrefixes:
         self.entries[key] = entry
         return replaced
 
-    def evict_one(self) -> CompressedEntry | None:
-        """Drop the least recently used entry no request reads; the caller lets go of its region."""
+    def evict_one(self, store=None) -> tuple[bytes, CompressedEntry] | None:
+        """Drop the least recently used entry no request reads (whose pages are in `store`, when
+        given); the caller lets go of its region (after spilling it to the tiers, if any)."""
         for key, entry in self.entries.items():
-            if entry.region.holders == 1:
+            if entry.region.holders == 1 and (store is None or entry.region.quant is store):
                 del self.entries[key]
                 self.evictions += 1
-                return entry
+                return key, entry
         return None
 
     def nbytes(self, page_bytes: int) -> int:

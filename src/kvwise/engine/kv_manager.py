@@ -36,6 +36,7 @@ from kvwise.core.hashing import SegmentedNamespace, compressed_key
 from kvwise.core.radix import RadixCache
 from kvwise.engine.block_table import BlockTable, Place
 from kvwise.engine.compaction import Compaction, PrivateKV
+from kvwise.engine.compressed_payload import read_entry, write_entry
 from kvwise.engine.compressed_prefixes import CompressedEntry, CompressedPrefixes
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.head_pages import HeadPages
@@ -167,8 +168,13 @@ class KVCacheManager:
         if self.compressed is None or request.compress_upto is None or request.kv is None:
             return 0
         upto = request.compress_upto
-        entry = self.compressed.get(self._compressed_key(request, namespace), request.prompt[:upto])
-        if entry is None or upto >= len(request.prompt):  # nothing left to compute the first token with
+        if upto >= len(request.prompt):  # nothing would be left to compute the first token with
+            return 0
+        key = self._compressed_key(request, namespace)
+        entry = self.compressed.get(key, request.prompt[:upto])
+        if entry is None and self.tiers is not None:
+            entry = self._restore_compressed(key, request)
+        if entry is None:
             return 0
         match = self.tree.match_prefix(request.prompt[: entry.reused], namespace)
         if match.length < entry.reused:  # its prefix blocks are gone: compute it again
@@ -193,6 +199,74 @@ class KVCacheManager:
         if replaced is not None and replaced.region is not entry.region:
             self._let_go(replaced.region)
 
+    def _spill_compressed(self, key: bytes, entry: CompressedEntry) -> None:
+        """Write a compressed document leaving the device to the prefix tiers."""
+        blob = write_entry(entry.region, entry.tokens, entry.reused, entry.stats, self.storage)
+        if self.tiers.store_blob(key, blob):
+            self.compressed.spilled += 1
+
+    def _restore_compressed(self, key: bytes, request: Request) -> CompressedEntry | None:
+        """A compressed document brought back from the tiers into pages and published again, or
+        None (absent, damaged, for other tokens, or no room)."""
+        blob = self.tiers.fetch_blob(key)
+        if blob is None:
+            return None
+        try:
+            state = read_entry(blob)
+            tokens = tuple(state["tokens"].tolist())
+            if tokens != tuple(request.prompt[: request.compress_upto]):
+                return None  # same key, other tokens: never served
+            region = self._region_from_state(request, state)
+        except (ValueError, KeyError, RuntimeError) as error:
+            log.warning("a compressed document from the tiers could not be read back: %s", error)
+            return None
+        if region is None:
+            return None
+        names = [name.removeprefix("stats.") for name in state if name.startswith("stats.")]
+        stats = None
+        if names:
+            stats = [
+                {name: state[f"stats.{name}"][layer].to(self.storage.keys[0].device) for name in names}
+                for layer in range(len(region.counts))
+            ]
+        entry = CompressedEntry(tokens, int(state["reused"][0]), region, stats)
+        self.compressed.put(key, entry)
+        region.holders -= 1  # the cache's reference only
+        self.compressed.restored += 1
+        return entry
+
+    def _region_from_state(self, request: Request, state: dict) -> HeadRegion | None:
+        """Pages for a document read from a tier: device pages, or quantized pages restored bit for bit."""
+        device = self.storage.keys[0].device
+        counts = state["counts"].tolist()
+        positions = [
+            layer.to(device)[:, : max(layer_counts, default=0)]
+            for layer, layer_counts in zip(state["positions"], counts)
+        ]
+        valid = [layer >= 0 for layer in positions]
+        if request.kv.quant is not None:
+            stored = {name.removeprefix("quant."): t for name, t in state.items() if name.startswith("quant.")}
+            per_page = self.block_size
+            pages = sum(-(-count // per_page) for layer in counts for count in layer)
+            store = self.quant_pages(request.kv.quant)
+            ids = store.restore(stored, pages) if self._room_in(store, pages) else None
+            if ids is None:
+                return None
+            return self._quantized_region(self.quant_pages(request.kv.quant), ids, counts, valid, positions)
+        per_page = self.head_pages.page_tokens
+        pages = sum(-(-count // per_page) for layer in counts for count in layer)
+        free_pages = len(self.head_pages.free)
+        per_block = len(self.storage.keys) * self.head_pages.kv_heads * self.head_pages.parts
+        if not self._reclaim(-(-max(0, pages - free_pages) // per_block)):
+            return None
+        keys, values = state["keys"].to(device), state["values"].to(device)
+        kept, start = [], 0
+        for layer_counts, layer_positions in zip(counts, positions):
+            rows = sum(layer_counts)
+            kept.append((layer_counts, keys[start : start + rows], values[start : start + rows], layer_positions, {}))
+            start += rows
+        return self._write_region(request, kept)
+
     def _let_go(self, region: HeadRegion) -> None:
         """One holder fewer; the last one gives the pages back (zeroed)."""
         region.holders -= 1
@@ -209,12 +283,27 @@ class KVCacheManager:
             return True
         if self.tree is not None:
             self.tree.evict(blocks - self.pool.num_free)
-        while not self.pool.can_allocate(blocks) and self.compressed is not None:
-            entry = self.compressed.evict_one()
-            if entry is None:
-                break
-            self._let_go(entry.region)
+        while not self.pool.can_allocate(blocks) and self._evict_compressed():
+            pass
         return self.pool.can_allocate(blocks)
+
+    def _evict_compressed(self, store: QuantPages | None = None) -> bool:
+        """Drop the least recently used compressed document nobody reads (with pages in `store`,
+        when given), to the tiers first if there are tiers. False when there is none."""
+        evicted = self.compressed.evict_one(store) if self.compressed is not None else None
+        if evicted is None:
+            return False
+        key, entry = evicted
+        if self.tiers is not None:
+            self._spill_compressed(key, entry)
+        self._let_go(entry.region)
+        return True
+
+    def _room_in(self, store: QuantPages, pages: int) -> bool:
+        """Whether `store` can take `pages` quantized pages, after dropping documents held there."""
+        while not store.ids.can_allocate(pages) and self._evict_compressed(store):
+            pass
+        return store.ids.can_allocate(pages)
 
     def prefetch(self, request: Request) -> Future | None:
         """Pull the prompt's cached blocks from slow tiers into the first one in the background
@@ -498,21 +587,29 @@ class KVCacheManager:
         return HeadRegion(pages, counts, valid, positions, cells=cells)
 
     def _write_quantized(self, name: str, kept, counts, valid, positions) -> HeadRegion | None:
-        store = self.quant_pages(name)
-        pages, page_ids, rows = [], [], []
+        store, ids = self.quant_pages(name), []
+        self._room_in(store, sum(-(-count // self.block_size) for layer in counts for count in layer))
         for layer_counts, keys, values, _, _ in kept:
-            ids = store.store(*(into_pages(part, layer_counts, self.block_size) for part in (keys, values)))
-            if ids is None:  # full: what this call stored goes back, and device pages take the region
-                store.release([page for layer in pages for head in layer for page in head])
+            stored = store.store(*(into_pages(part, layer_counts, self.block_size) for part in (keys, values)))
+            if stored is None:  # full: what this call stored goes back, and device pages take the region
+                store.release(ids)
                 return None
-            per_head, start = [], 0
+            ids += stored
+        return self._quantized_region(store, ids, counts, valid, positions)
+
+    def _quantized_region(self, store: QuantPages, ids: list[int], counts, valid, positions) -> HeadRegion:
+        """The region whose pages are `ids` of `store`, layer by layer and head by head."""
+        pages, page_ids, rows, start = [], [], [], 0
+        device = self.storage.keys[0].device
+        for layer_counts in counts:
+            per_head, first = [], start
             for count in layer_counts:
                 used = -(-count // self.block_size)
                 per_head.append(ids[start : start + used])
                 start += used
             pages.append(per_head)
-            page_ids.append(torch.tensor(ids, device=keys.device))
-            rows.append(_page_rows(layer_counts, self.block_size, keys.device))
+            page_ids.append(torch.tensor(ids[first:start], dtype=torch.long, device=device))
+            rows.append(_page_rows(layer_counts, self.block_size, device))
         return HeadRegion(pages, counts, valid, positions, quant=store, page_ids=page_ids, rows=rows)
 
     # ---- per-request quantization ------------------------------------------------------------------

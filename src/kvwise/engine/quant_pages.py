@@ -44,6 +44,35 @@ class QuantPages:
         keys, values = self.pages.read(ids, self.dtype)
         return keys[:, :, 0], values[:, :, 0]
 
+    def export(self, ids: list[int]) -> dict[str, torch.Tensor]:
+        """The stored codes and scales of pages `ids`, by name (for a tier: restored bit for bit)."""
+        index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return {
+            f"{role}.{name}": table[index].cpu()
+            for role, pool in (("keys", self.pages.keys), ("values", self.pages.values))
+            for name, table in (*pool.per_token.items(), *pool.per_group.items())
+        }
+
+    def restore(self, stored: dict[str, torch.Tensor], count: int) -> list[int] | None:
+        """New ids for `count` pages whose codes and scales are `stored` (from `export`); None when
+        full or when `stored` does not fit this store (another quantizer's layout)."""
+        tables = {
+            f"{role}.{name}": table
+            for role, pool in (("keys", self.pages.keys), ("values", self.pages.values))
+            for name, table in (*pool.per_token.items(), *pool.per_group.items())
+        }
+        fits = set(stored) == set(tables) and all(
+            stored[name].shape == (count, *table.shape[1:]) and stored[name].dtype == table.dtype
+            for name, table in tables.items()
+        )
+        if not fits or not self.ids.can_allocate(count):
+            return None
+        ids = self.ids.allocate(count)
+        index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        for name, table in tables.items():
+            table[index] = stored[name].to(self.device)
+        return ids
+
     def release(self, ids: list[int]) -> None:
         if ids:
             self.ids.release(ids)

@@ -19,7 +19,9 @@ from collections.abc import Sequence
 import torch
 
 MAGIC = b"KVWB"
-VERSION = 1
+# 2: compressed documents (head regions) travel in the same payload; an entry of version 1 (from
+# a kvwise that did not know them) is a miss, read again from the model
+VERSION = 2
 _PREFIX = struct.Struct("<4sHI")
 
 

@@ -186,6 +186,19 @@ class PrefixTiers:
                 self.stats.recomputed_blocks += 1
         return None
 
+    def store_blob(self, key: bytes, blob: torch.Tensor) -> bool:
+        """Write an entry that is not one block (a compressed document) to every tier; True when
+        one accepted it."""
+        return any([self._put(tier, key, blob) for tier in self.tiers])
+
+    def fetch_blob(self, key: bytes) -> torch.Tensor | None:
+        """The first tier's entry under `key` that is not one block (checked by its reader), or None."""
+        for tier in self.tiers:
+            data = self._get(tier, key)
+            if data is not None and data.dtype == torch.uint8 and data.dim() == 1:
+                return data
+        return None
+
     def _fits(self, data: torch.Tensor) -> bool:
         keys = self.storage.keys
         return data.dtype == keys[0].dtype and tuple(data.shape) == (len(keys), 2, *keys[0].shape[1:])

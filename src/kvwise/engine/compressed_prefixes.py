@@ -77,7 +77,3 @@ class CompressedPrefixes:
                 self.evictions += 1
                 return key, entry
         return None
-
-    def nbytes(self, page_bytes: int) -> int:
-        """Bytes the entries' pages hold (quantized pages at their own size)."""
-        return sum(e.region.nbytes or e.region.num_pages * page_bytes for e in self.entries.values())

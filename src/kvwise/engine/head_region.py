@@ -60,11 +60,6 @@ class HeadRegion:
     def nbytes(self) -> int:
         return 0 if self.quant is None else self.num_pages * self.quant.page_bytes
 
-    @property
-    def num_tokens(self) -> int:
-        """Tokens held over every layer and head."""
-        return sum(sum(layer) for layer in self.counts)
-
     def longest(self) -> int:
         """The most tokens any head of any layer holds."""
         return max((max(layer) for layer in self.counts), default=0)

@@ -679,6 +679,9 @@ class KVCacheManager:
             + sum(store.used_bytes() for store in list(self.quantized_pages.values())),
             head_page_bytes=self.head_pages.used_pages * self.head_pages.page_bytes if self.head_pages else 0,
             head_page_blocks=self.head_pages.held_blocks if self.head_pages else 0,
+            compressed_documents=len(self.compressed) if self.compressed is not None else 0,
+            compressed_hits=self.compressed.hits if self.compressed is not None else 0,
+            compressed_spilled=self.compressed.spilled if self.compressed is not None else 0,
             quantization_errors={
                 name: (quant.mean_error("keys"), quant.mean_error("values")) for name, quant in quant_pools
             },

@@ -39,6 +39,9 @@ class KVStats:
     recomputed_blocks: int  # device blocks dropped by recompute preemptions
     head_page_bytes: int = 0  # head pages in use (evicted requests' regions), keys and values
     head_page_blocks: int = 0  # device blocks cut into head pages (counted in used_blocks)
+    compressed_documents: int = 0  # documents compressed once, held for reuse on the device
+    compressed_hits: int = 0  # requests that reused one instead of computing their document
+    compressed_spilled: int = 0  # of those that left the device, written to a tier
     tiers: tuple[TierUsage, ...] = field(default_factory=tuple)
 
     @property

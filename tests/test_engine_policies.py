@@ -242,7 +242,7 @@ def test_on_smollm_the_engine_answers_as_the_library_does(smollm, policy):
         compress_upto=ids.shape[1] - 1,
     )
     _run(core, [request])
-    cache = KVWiseCache(model, policy, 0.75, tokenizer=tokenizer)
+    cache = KVWiseCache(model, policy, 0.75, tokenizer=tokenizer)  # the session's model back on the cache's attention
     cache.compress_context(ids[:, :-1])
     expected = model.generate(
         ids, past_key_values=cache, max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False

@@ -24,6 +24,7 @@ def served(smollm):
     core = EngineCore(model, tokenizer, CacheConfig(num_blocks=512, token_budget=512))
     with InProcessServer(create_app(core, ServerSettings(MODEL))) as server:
         yield server, core
+    model.set_attn_implementation("kvwise")  # the session's model goes back to the cache's attention
 
 
 def ask(server, question: str, **prefix):

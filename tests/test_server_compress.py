@@ -74,3 +74,26 @@ def test_bad_compression_options_are_specific_400s(served, prefix, message):
     with pytest.raises(openai.BadRequestError, match=message):
         ask(server, "Which colour?", **prefix)
     assert core.steps == steps  # refused before the engine saw it
+
+
+def test_a_whole_mix_per_request(served):
+    server, core = served
+    api = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0)
+    prompt = f"{DOCUMENT} Which colour is the umbrella in locker 3?"
+    answer = api.completions.create(
+        model=MODEL,
+        prompt=prompt,
+        max_tokens=4,
+        temperature=0,
+        extra_body={"kv_mix": "kvzip@0.9+kivi4", "ignore_eos": True},
+    )
+    assert answer.usage.completion_tokens == 4
+    steps = core.steps
+    for body, message in [
+        ({"kv_mix": "kvzip@0.9", "kv_policy": "snapkv"}, "leave out kv_policy"),
+        ({"kv_mix": "kvzip@0.9+kivi3"}, "kv_mix"),
+        ({"kv_mix": "kvzip@0.9+kivi4:group_size=16,residual_length=32"}, "not enabled on this server"),
+    ]:
+        with pytest.raises(openai.BadRequestError, match=message):
+            api.completions.create(model=MODEL, prompt=prompt, max_tokens=1, extra_body=body)
+    assert core.steps == steps  # refused before the engine saw them

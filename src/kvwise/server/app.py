@@ -325,9 +325,8 @@ class _Handlers:
         """The settings and the document's length for `kv_prefix.compress`."""
         marked = body.kv_prefix
         if kv is not None:
-            message = (
-                "kv_prefix.compress sets the request's KV mix: leave out kv_policy, kv_ratio, kv_quant, max_kv_tokens"
-            )
+            others = "kv_mix, kv_policy, kv_ratio, kv_quant and max_kv_tokens"
+            message = f"kv_prefix.compress sets the request's KV mix: leave out {others}"
             raise OpenAIError(400, message, param="kv_prefix.compress")
         if marked.shared:
             message = "a compressed kv_prefix is cached per tenant: it cannot also be shared"
@@ -453,8 +452,20 @@ class _Handlers:
             raise OpenAIError(400, str(error)) from None
 
     def _kv_settings(self, body) -> KVSettings | None:
-        """kvwise's per-request KV options (kv_policy, kv_ratio, kv_quant, max_kv_tokens), or None."""
-        if body.kv_policy is None and body.kv_ratio is None and body.max_kv_tokens is None and body.kv_quant is None:
+        """kvwise's per-request KV options (kv_policy, kv_ratio, kv_quant, max_kv_tokens, or all of
+        them as one kv_mix), or None."""
+        separate = (body.kv_policy, body.kv_ratio, body.max_kv_tokens, body.kv_quant)
+        if body.kv_mix is not None:
+            if any(option is not None for option in separate):
+                message = "kv_mix sets the request's KV mix: leave out kv_policy, kv_ratio, kv_quant, max_kv_tokens"
+                raise OpenAIError(400, message, param="kv_mix")
+            try:
+                settings = KVSettings.from_mix(body.kv_mix)
+            except ValueError as error:
+                raise OpenAIError(400, f"kv_mix: {error}", param="kv_mix") from None
+            self._check_quant_enabled(settings, body.kv_mix, "kv_mix")
+            return settings
+        if all(option is None for option in separate):
             return None
         try:
             settings = KVSettings(

@@ -68,6 +68,8 @@ class KVOptions(_Strict):
     kv_ratio: float | None = None
     kv_quant: str | None = None
     max_kv_tokens: int | None = None
+    # all of the above in one mix spec, e.g. "kvzip@0.9+kivi4" or "h2o@max=1024" (kvwise.policies.mix)
+    kv_mix: str | None = Field(default=None, max_length=512)
 
 
 class _Sampling(KVOptions):

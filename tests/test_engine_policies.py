@@ -119,6 +119,11 @@ def test_a_cap_during_decoding_keeps_each_head_at_most_the_cap(llama, policy):
         if not request.done:
             tail = request.computed - request.kv_offset - request.reused
             most = max(most, (request.region.longest() if request.region is not None else 0) + tail)
+            if request.region is not None:  # every kept token sits at its own position, once
+                for counts, positions in zip(request.region.counts, request.region.positions):
+                    for head, count in enumerate(counts):
+                        kept = positions[head, :count].tolist()
+                        assert kept == sorted(set(kept)) and 0 <= kept[0] and kept[-1] < request.computed
     assert len(request.output) == 40
     assert cap < most <= cap + BLOCK + 1  # evicted back to the cap whenever a block's worth piled up
     assert core.kv.pool.stats().used == 0 and core.kv.head_pages.used_pages == 0

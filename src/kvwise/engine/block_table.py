@@ -16,6 +16,8 @@ from __future__ import annotations
 import enum
 from collections.abc import Iterable
 
+import torch
+
 
 class Place(enum.Enum):
     DEVICE = "device"
@@ -58,6 +60,11 @@ class BlockTable:
     def move(self, index: int, place: Place, block_id: int) -> None:
         """Entry `index` now lives in `place` as `block_id`."""
         self.places[index], self.block_ids[index] = place, block_id
+
+    def slots(self, indices: torch.Tensor, block_size: int) -> torch.Tensor:
+        """[n] int64 pool slots of the KV indices `indices` [n] (entries on the device)."""
+        blocks = torch.tensor(self.block_ids, dtype=torch.long, device=indices.device)
+        return blocks[indices // block_size] * block_size + indices % block_size
 
     def cut(self, length: int) -> BlockTable:
         """Remove the entries from `length` on and return them."""

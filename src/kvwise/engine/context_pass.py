@@ -136,13 +136,7 @@ def start_pass(compaction: Compaction, kv, tokenizer) -> ReconstructionPass:
         policy,
         stand_in,
         borrowed,
-        _slots(stand_in, prefix, block_size),
-        _slots(stand_in, indices, block_size),
+        stand_in.blocks.slots(prefix, block_size),
+        stand_in.blocks.slots(indices, block_size),
         compaction.end,
     )
-
-
-def _slots(request: Request, indices: torch.Tensor, block_size: int) -> torch.Tensor:
-    """[n] pool slots of KV indices `indices` [n] of `request`'s blocks."""
-    blocks = torch.tensor(request.blocks.block_ids, dtype=torch.long, device=indices.device)
-    return blocks[indices // block_size] * block_size + indices % block_size

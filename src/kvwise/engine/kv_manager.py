@@ -475,9 +475,9 @@ class KVCacheManager:
             request, settings = chunk.request, chunk.request.kv
             if settings is None or not settings.evicts:
                 continue
-            private = self._private(request, chunk.end)
             region = request.region
-            held = (region.longest() if region is not None else 0) + len(private.tail_slots)
+            tail = chunk.end - request.kv_offset - request.reused  # private tokens in blocks after this chunk
+            held = (region.longest() if region is not None else 0) + tail
             ratio_now = settings.ratio > 0 and chunk.end == request.compression_point
             cap = settings.max_kv_tokens
             cap_now = cap is not None and (held > cap + self.block_size or (ratio_now and held > cap))
@@ -486,12 +486,12 @@ class KVCacheManager:
                 continue
             windows = self.geometry.windows if self.geometry is not None else ()
             first_full = next((layer for layer, window in enumerate(windows) if window is None), 0)
-            first_head = (region.counts[first_full][0] if region is not None else 0) + len(private.tail_slots)
+            first_head = (region.counts[first_full][0] if region is not None else 0) + tail
             plans.append(
                 Compaction(
                     request,
                     settings.scorer,
-                    private,
+                    self._private(request, chunk.end),
                     chunk.end,
                     len(self.storage.keys),
                     ratio=settings.ratio,
@@ -508,11 +508,9 @@ class KVCacheManager:
         """The request's private KV once the tokens before position `end` are computed."""
         device = self.storage.keys[0].device
         indices = torch.arange(request.reused, end - request.kv_offset, device=device)
-        blocks = torch.tensor(request.blocks.block_ids, dtype=torch.long, device=device)
-        slots = blocks[indices // self.block_size] * self.block_size + indices % self.block_size
         return PrivateKV(
             request.region,
-            slots,
+            request.blocks.slots(indices, self.block_size),
             indices + request.kv_offset,
             self.head_pages.kv_heads,
             self.pool.num_blocks * self.block_size,

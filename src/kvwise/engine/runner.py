@@ -400,9 +400,7 @@ class ModelRunner:
         ends = [_kv_span(c)[1] for c in chunks]
         slots = torch.zeros(len(chunks), max(ends), dtype=torch.long, device=device)
         for row, (chunk, end) in enumerate(zip(chunks, ends)):
-            indices = torch.arange(end, device=device)
-            table = torch.tensor(chunk.request.blocks.block_ids, dtype=torch.long, device=device)
-            slots[row, :end] = table[indices // block] * block + indices % block
+            slots[row, :end] = chunk.request.blocks.slots(torch.arange(end, device=device), block)
         block_cells = slots[:, None, :] * heads + torch.arange(heads, device=device)[None, :, None]
         stacked = [chunk.request.region.stacked() for chunk in chunks]
         width = max(cells.shape[-1] for cells, _ in stacked)

@@ -40,8 +40,7 @@ def run_engine_trial(llm: LLM, prompt, policy: str, ratio: float, mode: str, new
     seconds = time.perf_counter() - started
     request = output.requests[0]
     kv = llm.engine.kv
-    block_bytes = kv.storage.nbytes() // kv.pool.num_blocks
-    held = request.compressed_kv_bytes if evicts else -(-upto // kv.block_size) * block_bytes
+    held = request.compressed_kv_bytes if evicts else -(-upto // kv.block_size) * kv.storage.block_bytes
     return {
         "kv_bytes": held,
         "compressed_tokens": upto,

@@ -406,7 +406,7 @@ class KVCacheManager:
         prefix included; blocks reserved ahead are not counted), head pages and quantized blocks."""
         table = request.blocks
         filled = table.places[: -(-(request.computed - request.kv_offset) // self.block_size)]
-        held = filled.count(Place.DEVICE) * self.storage.nbytes() // self.pool.num_blocks
+        held = filled.count(Place.DEVICE) * self.storage.block_bytes
         if request.region is not None:
             held += self.request_bytes_of(request.region)
         if filled.count(Place.QUANTIZED):
@@ -661,7 +661,7 @@ class KVCacheManager:
     def stats(self) -> KVStats:
         """Read from the engine thread or, for metrics, from another (reads of ints)."""
         pool = self.pool.stats()
-        block_bytes = self.storage.nbytes() // self.pool.num_blocks if self.storage is not None else 0
+        block_bytes = self.storage.block_bytes if self.storage is not None else 0
         quant_pools = list(self.quant_pools.items())
         tiers = self.tiers.tiers if self.tiers is not None else []
         return KVStats(

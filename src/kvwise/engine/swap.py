@@ -37,7 +37,7 @@ class HostSwap:
         if capacity_bytes < 0:
             raise ValueError(f"swap space must be >= 0 bytes, got {capacity_bytes}")
         self.storage, self.capacity_bytes = storage, capacity_bytes
-        self.block_bytes = storage.nbytes() // storage.keys[0].shape[0]
+        self.block_bytes = storage.block_bytes
         self.used_bytes = 0
         self.swapped_out_blocks = self.swapped_in_blocks = 0
         self._pin = storage.keys[0].device.type == "cuda"

@@ -119,7 +119,7 @@ class PrefixReuse:
     def report(self) -> dict:
         """Everything measured, for logs and metrics: lookups, hits per tier, hit rate, spill
         ratio, evictions, bytes held per tier (device included), corrupt entries, tier errors."""
-        block_bytes = self.storage.nbytes() // self.pool.num_blocks
+        block_bytes = self.storage.block_bytes
         return {
             "queries_tokens": self.stats.queries_tokens,
             "hits_tokens": dict(self.stats.hits_tokens),

@@ -83,3 +83,13 @@ class PagedKVStorage:
 
     def nbytes(self) -> int:
         return sum(tensor.nbytes for tensor in (*self.keys, *self.values))
+
+    @property
+    def block_bytes(self) -> int:
+        """One block: keys and values of every layer."""
+        return self.nbytes() // self.keys[0].shape[0]
+
+    @property
+    def token_bytes(self) -> int:
+        """One token slot: keys and values of every layer."""
+        return self.block_bytes // self.block_size

@@ -325,16 +325,12 @@ class _Handlers:
         """The settings and the document's length for `kv_prefix.compress`."""
         marked = body.kv_prefix
         if kv is not None:
-            others = "kv_mix, kv_policy, kv_ratio, kv_quant and max_kv_tokens"
-            message = f"kv_prefix.compress sets the request's KV mix: leave out {others}"
+            message = f"kv_prefix.compress sets the request's KV mix: leave out kv_mix, {SEPARATE_KV_FIELDS}"
             raise OpenAIError(400, message, param="kv_prefix.compress")
         if marked.shared:
             message = "a compressed kv_prefix is cached per tenant: it cannot also be shared"
             raise OpenAIError(400, message, param="kv_prefix.compress")
-        try:
-            settings = KVSettings.from_mix(marked.compress)
-        except ValueError as error:
-            raise OpenAIError(400, f"kv_prefix.compress: {error}", param="kv_prefix.compress") from None
+        settings = _mix_settings(marked.compress, "kv_prefix.compress")
         if not settings.evicts or settings.ratio <= 0:
             message = f"kv_prefix.compress needs a policy with a ratio, such as 'kvzip@0.9'; got {marked.compress!r}"
             raise OpenAIError(400, message, param="kv_prefix.compress")
@@ -457,12 +453,9 @@ class _Handlers:
         separate = (body.kv_policy, body.kv_ratio, body.max_kv_tokens, body.kv_quant)
         if body.kv_mix is not None:
             if any(option is not None for option in separate):
-                message = "kv_mix sets the request's KV mix: leave out kv_policy, kv_ratio, kv_quant, max_kv_tokens"
+                message = f"kv_mix sets the request's KV mix: leave out {SEPARATE_KV_FIELDS}"
                 raise OpenAIError(400, message, param="kv_mix")
-            try:
-                settings = KVSettings.from_mix(body.kv_mix)
-            except ValueError as error:
-                raise OpenAIError(400, f"kv_mix: {error}", param="kv_mix") from None
+            settings = _mix_settings(body.kv_mix, "kv_mix")
             self._check_quant_enabled(settings, body.kv_mix, "kv_mix")
             return settings
         if all(option is None for option in separate):
@@ -562,3 +555,14 @@ class _Handlers:
 
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+SEPARATE_KV_FIELDS = "kv_policy, kv_ratio, kv_quant and max_kv_tokens"  # what one mix spec replaces
+
+
+def _mix_settings(spec: str, param: str) -> KVSettings:
+    """KVSettings from a mix spec sent as `param`; a 400 naming the bad component otherwise."""
+    try:
+        return KVSettings.from_mix(spec)
+    except ValueError as error:
+        raise OpenAIError(400, f"{param}: {error}", param=param) from None

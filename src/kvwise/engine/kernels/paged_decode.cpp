@@ -233,6 +233,20 @@ inline void prefetch_row(const float* row, int64_t floats) {
   for (int64_t i = 0; i < floats; i += 16) __builtin_prefetch(row + i, 0, 3);
 }
 
+// What both entry points require of their tensors: all on the CPU, query, keys and values in
+// float32, the index (block tables or rows) and the lengths in int64.
+void check_tensors(const char* name, const char* index_name, const torch::Tensor& query, const torch::Tensor& keys,
+                   const torch::Tensor& values, const torch::Tensor& index, const torch::Tensor& lengths) {
+  TORCH_CHECK(query.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() &&
+                  index.device().is_cpu() && lengths.device().is_cpu(),
+              name, ": CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat && keys.scalar_type() == torch::kFloat &&
+                  values.scalar_type() == torch::kFloat,
+              name, ": float32 only");
+  TORCH_CHECK(index.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong, name, ": int64 ",
+              index_name, " and lengths");
+}
+
 }  // namespace
 
 // query:   [B, H, D] float32
@@ -247,15 +261,8 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tenso
   TORCH_CHECK(query.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes() && tables.dim() == 2 &&
                   lengths.dim() == 1,
               "paged_decode: bad shapes");
-  TORCH_CHECK(query.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() &&
-                  tables.device().is_cpu() && lengths.device().is_cpu(),
-              "paged_decode: CPU tensors only");
+  check_tensors("paged_decode", "tables", query, keys, values, tables, lengths);
   TORCH_CHECK(query.size(1) > 0 && keys.size(1) > 0 && keys.size(2) > 0, "paged_decode: empty heads or blocks");
-  TORCH_CHECK(query.scalar_type() == torch::kFloat && keys.scalar_type() == torch::kFloat &&
-                  values.scalar_type() == torch::kFloat,
-              "paged_decode: float32 only");
-  TORCH_CHECK(tables.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong,
-              "paged_decode: int64 tables and lengths");
   query = query.contiguous();
   keys = keys.contiguous();
   values = values.contiguous();
@@ -377,14 +384,7 @@ torch::Tensor paged_decode_rows(torch::Tensor query, torch::Tensor keys, torch::
   TORCH_CHECK(query.dim() == 3 && keys.dim() == 2 && values.sizes() == keys.sizes() && rows.dim() == 3 &&
                   lengths.dim() == 2,
               "paged_decode_rows: bad shapes");
-  TORCH_CHECK(query.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() &&
-                  rows.device().is_cpu() && lengths.device().is_cpu(),
-              "paged_decode_rows: CPU tensors only");
-  TORCH_CHECK(query.scalar_type() == torch::kFloat && keys.scalar_type() == torch::kFloat &&
-                  values.scalar_type() == torch::kFloat,
-              "paged_decode_rows: float32 only");
-  TORCH_CHECK(rows.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong,
-              "paged_decode_rows: int64 rows and lengths");
+  check_tensors("paged_decode_rows", "rows", query, keys, values, rows, lengths);
   query = query.contiguous();
   keys = keys.contiguous();
   values = values.contiguous();

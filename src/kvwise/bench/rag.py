@@ -102,7 +102,7 @@ def run_engine(
         row["hit_rate"] = sum(end for hit, (_, end) in zip(hits, parts) if hit) / sum(len(r.prompt) for r in done)
         token_bytes = core.kv.storage.token_bytes
         entries = list(core.kv.compressed.entries.values())
-        held = [core.kv.request_bytes_of(entry.region) / (len(entry.tokens) * token_bytes) for entry in entries]
+        held = [entry.region.nbytes / (len(entry.tokens) * token_bytes) for entry in entries]
         row["cached_document_bytes_ratio"] = statistics.mean(held) if held else None
     row["document_hits"] = sum(hits)
     row["document_hit_ttft_p50_s"] = document_hit_ttft(in_order, hits)

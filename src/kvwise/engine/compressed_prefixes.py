@@ -42,7 +42,6 @@ class CompressedPrefixes:
         self.entries: OrderedDict[bytes, CompressedEntry] = OrderedDict()  # least recently used first
         self.hits = self.misses = self.evictions = 0
         self.spilled = self.restored = 0  # entries written to the tiers, and brought back from them
-        self.hit_tokens = 0  # document tokens not computed again thanks to a hit
 
     def __len__(self) -> int:
         return len(self.entries)
@@ -58,7 +57,6 @@ class CompressedPrefixes:
     def record_hit(self, entry: CompressedEntry) -> None:
         entry.hits += 1
         self.hits += 1
-        self.hit_tokens += len(entry.tokens) - entry.reused
 
     def put(self, key: bytes, entry: CompressedEntry) -> CompressedEntry | None:
         """Publish `entry` (the cache holds its region from now on); returns the entry it

@@ -85,12 +85,10 @@ class EngineCore:
         self.eos = getattr(tokenizer, "eos_token_id", None) if tokenizer is not None else None
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.kv = KVCacheManager.for_model(model, config, tiers)  # every byte of KV memory, and its bookkeeping
-        shape = self.kv.geometry
         self.scheduler = Scheduler(self.kv, config.token_budget, config.max_running)
         self.runner = ModelRunner(model, self.kv.storage, self.kv.quant_pools, cpu_kernel=cpu_kernel)
         # called with (chunks, logits [C, vocab]) after each forward: model checks compare them
         self.logits_observer = None
-        self.sliding_layers = shape.sliding_layers
         self.steps = 0
         # for the server's timing pad (see hit_pad_seconds): recent prefill-only steps as (tokens,
         # attention pairs, cold, seconds), the cost model fitted on them (None: refit when asked),

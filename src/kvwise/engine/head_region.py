@@ -32,6 +32,7 @@ class HeadRegion:
     quant: object = None  # QuantPages holding the pages, or None (device pages)
     page_ids: list[torch.Tensor] | None = None  # quantized: [layer] -> [P] its page ids, head after head
     rows: list[torch.Tensor] | None = None  # quantized: [layer] -> [kv_heads, width] rows of the restored pages
+    page_bytes: int = 0  # one page's keys and values as stored (device or quantized)
     holders: int = 1  # requests reading it, plus the compressed-prefix cache when published there
     _stacked: tuple | None = field(default=None, repr=False)
 
@@ -58,7 +59,7 @@ class HeadRegion:
 
     @property
     def nbytes(self) -> int:
-        return 0 if self.quant is None else self.num_pages * self.quant.page_bytes
+        return self.num_pages * self.page_bytes
 
     def longest(self) -> int:
         """The most tokens any head of any layer holds."""

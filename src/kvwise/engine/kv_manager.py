@@ -408,14 +408,10 @@ class KVCacheManager:
         filled = table.places[: -(-(request.computed - request.kv_offset) // self.block_size)]
         held = filled.count(Place.DEVICE) * self.storage.block_bytes
         if request.region is not None:
-            held += self.request_bytes_of(request.region)
+            held += request.region.nbytes
         if filled.count(Place.QUANTIZED):
             held += filled.count(Place.QUANTIZED) * self.quant_pools[request.kv.quant].block_bytes
         return held
-
-    def request_bytes_of(self, region: HeadRegion) -> int:
-        """The bytes a region's pages hold (quantized pages at their own size)."""
-        return region.nbytes if region.quant is not None else region.num_pages * self.head_pages.page_bytes
 
     # ---- host swap ---------------------------------------------------------------------------------
     def can_swap_out(self, request: Request) -> bool:
@@ -582,7 +578,7 @@ class KVCacheManager:
             all_values[layer_cells[layer_valid]] = values
             pages.append(layer_pages)
             cells.append(layer_cells)
-        return HeadRegion(pages, counts, valid, positions, cells=cells)
+        return HeadRegion(pages, counts, valid, positions, cells=cells, page_bytes=self.head_pages.page_bytes)
 
     def _write_quantized(self, name: str, kept, counts, valid, positions) -> HeadRegion | None:
         store, ids = self.quant_pages(name), []
@@ -608,7 +604,9 @@ class KVCacheManager:
             pages.append(per_head)
             page_ids.append(torch.tensor(ids[first:start], dtype=torch.long, device=device))
             rows.append(_page_rows(layer_counts, self.block_size, device))
-        return HeadRegion(pages, counts, valid, positions, quant=store, page_ids=page_ids, rows=rows)
+        return HeadRegion(
+            pages, counts, valid, positions, quant=store, page_ids=page_ids, rows=rows, page_bytes=store.page_bytes
+        )
 
     # ---- per-request quantization ------------------------------------------------------------------
     def quant_pages(self, name: str) -> QuantPages:

@@ -101,3 +101,21 @@ class NeedlePromptBuilder:
         context_ids = encode(text[:boundary], add_special_tokens=False, return_tensors="pt").input_ids
         question_ids = encode(text[boundary:], add_special_tokens=False, return_tensors="pt").input_ids
         return NeedlePrompt(context_ids=context_ids, question_ids=question_ids)
+
+
+# The last essays (sorted by name) are kept for calibration: `kvwise calibrate` makes its probes
+# from them, and the benches that score (bench adaptive) read only the essays before them.
+CALIBRATION_ESSAYS = 6
+
+
+def split_essays(directory: str | Path | None = None) -> tuple[str, str]:
+    """(the text benches score on, the calibration text): disjoint, by whole essays."""
+    folder = Path(directory) if directory is not None else default_haystack_dir()
+    files = sorted(folder.glob("*.txt"))
+    if len(files) <= CALIBRATION_ESSAYS:
+        raise ValueError(f"{folder} has {len(files)} essays; the split needs more than {CALIBRATION_ESSAYS}")
+
+    def read(paths):
+        return "".join(path.read_text(encoding="utf-8", errors="replace") for path in paths)
+
+    return read(files[:-CALIBRATION_ESSAYS]), read(files[-CALIBRATION_ESSAYS:])

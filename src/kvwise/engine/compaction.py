@@ -22,7 +22,7 @@ import torch
 
 from kvwise.engine.head_region import HeadRegion
 from kvwise.kv.paged import PagedKVStorage
-from kvwise.policies.base import Policy, keep_top_per_head
+from kvwise.policies.base import PROTECTED, Policy, keep_top_per_head
 from kvwise.policies.scoring_input import ScoringInput
 from kvwise.policies.selection import head_budgets, select_across_layers, select_in_layer
 
@@ -112,6 +112,7 @@ class Compaction:
     keep: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [kv_heads, S] bool
     scores: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [kv_heads, S] (global scope)
     cap_scores: dict[int, torch.Tensor] = field(default_factory=dict)
+    ratio_scores: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [kv_heads, S] (per layer)
     stats: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)  # layer -> name -> [kv_heads, S]
 
     @property
@@ -163,7 +164,9 @@ class Compaction:
                 if not self.needs_context_pass:  # KVzip's pass scores later, in ReconstructionPass
                     self.scores[layer] = self.policy.score(scoring).float()[0]
             else:
-                keep = select_in_layer(self.policy, self.policy.score(scoring), scoring, scoring.row_budgets)[0]
+                scores = self.policy.score(scoring)
+                self.ratio_scores[layer] = scores[0]
+                keep = select_in_layer(self.policy, scores, scoring, scoring.row_budgets)[0]
         if self.cap is not None:
             scoring.budget, scoring.row_budgets = self.cap, None
             self.cap_scores[layer] = self.policy.score(scoring)[0]
@@ -188,6 +191,28 @@ class Compaction:
                     budgets = torch.full((1, mask.shape[0]), self.cap, device=mask.device)
                     keep[layer] = keep_top_per_head(self.cap_scores[layer][None], mask[None], budgets)[0]
         return keep
+
+
+def kept_score(compaction: Compaction, keep: list[torch.Tensor]) -> float | None:
+    """The fraction of the policy's score mass (scores shifted so each head's lowest valid one is 0)
+    that the kept tokens hold, over the scored layers: a cheap proxy of what the eviction lost.
+    None when nothing was scored (sliding layers only)."""
+    held = total = 0.0
+    for layer in compaction.budget_layers:
+        scores = compaction.cap_scores.get(layer)
+        for source in (compaction.scores, compaction.ratio_scores):
+            scores = source.get(layer) if scores is None else scores
+        if scores is None:
+            continue
+        valid, _ = compaction.private.layer(layer)
+        scores = scores.float()
+        # protected tokens (sinks, recent windows) always stay: they are neither a gain nor a loss
+        scored = valid & torch.isfinite(scores) & (scores < PROTECTED)
+        lowest = scores.masked_fill(~scored, float("inf")).min(dim=-1, keepdim=True).values
+        shifted = torch.where(scored, scores - lowest, torch.zeros_like(scores))
+        held += float((shifted * keep[layer][..., : shifted.shape[-1]]).sum())
+        total += float(shifted.sum())
+    return None if total <= 0 else held / total
 
 
 def _pad(tensor: torch.Tensor, width: int, value) -> torch.Tensor:

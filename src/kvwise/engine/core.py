@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from kvwise.adaptive.request_class import check_hint
 from kvwise.core.secret_keys import namespace_key as default_namespace_key
 from kvwise.engine.compaction import Compaction
 from kvwise.engine.config import CacheConfig
@@ -89,6 +90,7 @@ class EngineCore:
         self.runner = ModelRunner(model, self.kv.storage, self.kv.quant_pools, cpu_kernel=cpu_kernel)
         # called with (chunks, logits [C, vocab]) after each forward: model checks compare them
         self.logits_observer = None
+        self.controller = None  # an AdaptiveController, for requests whose KV mix is `auto` (attach_controller)
         self.steps = 0
         # for the server's timing pad (see hit_pad_seconds): recent prefill-only steps as (tokens,
         # attention pairs, cold, seconds), the cost model fitted on them (None: refit when asked),
@@ -113,6 +115,12 @@ class EngineCore:
         if not keys:
             raise ValueError("set_namespace_keys needs at least one key")
         self.kv.set_namespace_keys(keys)
+
+    def attach_controller(self, controller) -> None:
+        """Let `controller` (kvwise.adaptive.AdaptiveController) pick the mix of `auto` requests and
+        relieve memory pressure before each step."""
+        self.controller = controller
+        controller.attach(self)
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
@@ -155,14 +163,21 @@ class EngineCore:
         tenant: str = "default",
         kv: KVSettings | None = None,
         compress_upto: int | None = None,
+        kv_auto: str | None = None,
     ):
         """kv: the request's own eviction of its private tokens (shared prefixes stay intact).
+        kv_auto: let the adaptive controller choose its mix, for this class hint (retrieval, chat,
+        long_generation, or auto: from its features); explicit `kv` settings win.
         compress_upto: its ratio compresses the first `compress_upto` tokens (a document) as soon
         as they are computed, before the rest of the prompt (the question) is read: query-agnostic
         compression. Default: the whole prompt when its prefill ends."""
         self.check_fits(len(token_ids), params.max_tokens)
+        if kv_auto is not None:
+            check_hint(kv_auto)
+            if self.controller is None:
+                raise ValueError("an auto KV mix needs the adaptive controller: LLM(kv='auto'), serve --kv-policy auto")
         if compress_upto is not None:
-            if kv is None or kv.ratio <= 0 or not kv.evicts:
+            if kv_auto is None and (kv is None or kv.ratio <= 0 or not kv.evicts):
                 raise ValueError("compress_upto needs KVSettings with an evicting policy and a ratio above 0")
             if not 1 <= compress_upto <= len(token_ids):
                 raise ValueError(
@@ -180,6 +195,7 @@ class EngineCore:
             logprobs=[] if params.logprobs is not None else None,
             kv=kv if kv is not None and kv.active else None,
             compress_upto=compress_upto,
+            kv_auto=kv_auto if kv is None else None,
         )
 
     def add(self, request: Request) -> None:
@@ -199,6 +215,8 @@ class EngineCore:
     def step(self) -> list[TokenEvent]:
         """Schedule, run one forward for every scheduled chunk, then settle memory and sample."""
         tier_seconds = self.kv.prefix_stats.seconds_in_tiers  # scheduling fetches, evictions spill
+        if self.controller is not None:
+            self.controller.before_step()
         step = self.scheduler.schedule()
         if not step.chunks:
             return self._idle()

@@ -35,7 +35,7 @@ from kvwise.core.block_pool import BlockPool
 from kvwise.core.hashing import SegmentedNamespace, compressed_key
 from kvwise.core.radix import RadixCache
 from kvwise.engine.block_table import BlockTable, Place
-from kvwise.engine.compaction import Compaction, PrivateKV
+from kvwise.engine.compaction import Compaction, PrivateKV, kept_score
 from kvwise.engine.compressed_payload import read_entry, write_entry
 from kvwise.engine.compressed_prefixes import CompressedEntry, CompressedPrefixes
 from kvwise.engine.config import CacheConfig
@@ -522,7 +522,11 @@ class KVCacheManager:
             return
         if request.reused % self.block_size:
             raise RuntimeError("a shared prefix must end on a block boundary to evict after it")
-        kept = [self._gather_kept(compaction, layer, mask) for layer, mask in enumerate(compaction.kept())]
+        masks = compaction.kept()
+        fraction = kept_score(compaction, masks)  # evictions compound: what the last kept of what was left
+        if fraction is not None:
+            request.kept_score = fraction * (request.kept_score if request.kept_score is not None else 1.0)
+        kept = [self._gather_kept(compaction, layer, mask) for layer, mask in enumerate(masks)]
         fresh = request.region is None
         self._release_region(request)
         self._release(request, request.blocks.cut(request.reused // self.block_size))

@@ -43,14 +43,37 @@ class LLM:
         tokenizer=None,
         device: str = "auto",
         tiers: Sequence[Tier] = (),
+        kv: str | None = None,
+        kv_budget_bytes: int | None = None,
+        kv_quality: float = 0.98,
+        kv_profile_path: str | None = None,
     ):
         """model: None (the embedded SmolLM2), an HF id or folder, or a loaded transformers model.
-        tiers: where evicted prefix-cache blocks spill (e.g. [HostTier(2 << 30), DiskTier(dir)])."""
+        tiers: where evicted prefix-cache blocks spill (e.g. [HostTier(2 << 30), DiskTier(dir)]).
+        kv="auto": the adaptive controller picks each request's KV mix (requests given explicit
+        KVSettings keep theirs) from the model's calibration profile (`kvwise calibrate`; one ships
+        for the embedded model), keeping predicted quality per class at least `kv_quality` of the
+        full cache's. kv_budget_bytes: all the KV memory it may use (pool and host swap), which
+        sizes the pool instead of `cache_config.num_blocks`."""
         if model is None or isinstance(model, str):
             from kvwise.models import load_model
 
             model, tokenizer = load_model(model, device=device)
+        if kv not in (None, "auto"):
+            raise ValueError(f"kv must be None or 'auto', got {kv!r} (per-prompt settings go to generate(kv=...))")
+        controller = None
+        if kv == "auto":
+            from kvwise.adaptive.controller import AdaptiveConfig, AdaptiveController
+            from kvwise.adaptive.profile import require_profile
+
+            controller = AdaptiveController(require_profile(model, kv_profile_path), AdaptiveConfig(kv_quality))
+        if kv_budget_bytes is not None:
+            from kvwise.adaptive.budget import cache_config_for_budget
+
+            cache_config = cache_config_for_budget(model, kv_budget_bytes, cache_config)
         self.engine = EngineCore(model, tokenizer, cache_config, tiers)
+        if controller is not None:
+            self.engine.attach_controller(controller)
         self.model, self.tokenizer, self.cache_config = model, tokenizer, self.engine.cache_config
 
     @property
@@ -96,8 +119,9 @@ class LLM:
         outputs, groups = [], []
         for prompt, prompt_kv, point in zip(prompts, settings, points):
             token_ids = self.engine.encode(prompt)
+            auto = "auto" if self.engine.controller is not None and prompt_kv is None else None
             group = [
-                self.engine.make_request(token_ids, params, index, kv=prompt_kv, compress_upto=point)
+                self.engine.make_request(token_ids, params, index, kv=prompt_kv, compress_upto=point, kv_auto=auto)
                 for index in range(params.n)
             ]
             outputs.append(RequestOutput(group[0].request_id, prompt if isinstance(prompt, str) else None, token_ids))

@@ -55,6 +55,12 @@ class Request:
     kv_bytes_read: int = 0  # keys and values its decode steps read (Quest reads a part of them)
     kv_bytes_held_read: int = 0  # what those steps would have read over everything it holds
     reconstruction: Any = None  # its KVzip ReconstructionPass while it runs (it waits meanwhile)
+    # `auto`: the adaptive controller picks its mix at admission, for this class hint (retrieval,
+    # chat, long_generation or auto: from its features); None: its own settings (or none) hold
+    kv_auto: str | None = None
+    kv_choice: Any = None  # the controller's Choice (mix, class, reason), returned with the response
+    kept_score: float | None = None  # fraction of its policy's score its evictions kept (their product)
+    turns: int = 0  # chat turns in its prompt, when known (a hint of its class)
     compressed_hit: bool = False  # it found its document compressed already (compress_upto) and reused it
     recompute_to: int | None = None  # set by a recompute preemption: len(tokens) then
     swapped: Any = None  # SwappedKV while preempted to host memory

@@ -78,6 +78,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.preemptions = 0
         self.on_admit: list = []  # callables(request), when it is admitted with its cached prefix matched (metrics)
+        self.on_admitting: list = []  # callables(request), before its prefix is matched (the KV controller)
 
     # ---- queue ---------------------------------------------------------------------------------
     def add(self, request: Request) -> None:
@@ -250,6 +251,8 @@ class Scheduler:
         return [request for request in self.waiting if running.get(request.tenant, 0) == fewest]
 
     def _admit(self, request: Request) -> None:
+        for listener in self.on_admitting:
+            listener(request)
         request.status = Status.RUNNING
         request.computed = self.kv.match(request)
         self.running.append(request)

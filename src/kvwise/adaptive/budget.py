@@ -1,0 +1,47 @@
+"""One KV memory budget, split between the device pool and host swap.
+
+`--kv-budget-gb` is all the KV memory the engine may use: the device pool, the host swap space and
+the quantized stores together. On a CPU machine they are the same RAM, so counting only the pool
+would make swapping free. The pool gets POOL_SHARE of it, host swap SWAP_SHARE, and the rest is
+headroom for quantized blocks, which live beside the pool.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from kvwise.engine.config import CacheConfig
+from kvwise.hf.geometry import kv_geometry
+
+POOL_SHARE = 0.70
+SWAP_SHARE = 0.20
+
+
+def token_bytes(model) -> int:
+    """KV bytes of one token in the engine's pool: every layer, keys and values, the model's dtype."""
+    shape = kv_geometry(model)
+    return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * shape.dtype.itemsize
+
+
+def cache_config_for_budget(
+    model, budget_bytes: int, base: CacheConfig | None = None, longest_request: int | None = None
+) -> CacheConfig:
+    """`base` (default CacheConfig()) with its pool and swap sized from `budget_bytes`; ValueError
+    when the pool could not hold `longest_request` tokens (default: the model's context)."""
+    base = base or CacheConfig()
+    if budget_bytes <= 0:
+        raise ValueError(f"the KV budget must be positive, got {budget_bytes} bytes")
+    block_bytes = token_bytes(model) * base.block_size
+    num_blocks = int(budget_bytes * POOL_SHARE) // block_bytes
+    if longest_request is None:
+        config = model.config.get_text_config(decoder=True)
+        longest_request = getattr(config, "max_position_embeddings", None) or 0
+    needed = -(-longest_request // base.block_size)
+    if num_blocks < max(1, needed):
+        least = needed * block_bytes / POOL_SHARE
+        raise ValueError(
+            f"a KV budget of {budget_bytes / 2**30:.3f} GiB gives the pool {num_blocks} blocks of {base.block_size} "
+            f"tokens, fewer than the longest request ({longest_request} tokens) needs; "
+            f"give at least {least / 2**30:.3f} GiB"
+        )
+    return replace(base, num_blocks=num_blocks, swap_space_bytes=int(budget_bytes * SWAP_SHARE))

@@ -1,0 +1,268 @@
+"""`kvwise calibrate`: measure each candidate mix on a model and write its profile.
+
+Each mix runs every probe (`adaptive.probes`) through the library cache (`KVWiseCache`), which the
+engine's tests hold equal to the serving path, and the measurements become a `Profile`: quality
+per class relative to `full` on the same probes, bytes per token, extra seconds per token, and the
+Pareto front per class (a Markdown table and a plot beside the JSON). Rows stream to a partial
+file, so an interrupted run resumes; `--budget-minutes` stops starting new mixes once spent.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvwise.adaptive.probes import AGREEMENT_TOKENS, Probe, calibration_text, make_probes
+from kvwise.adaptive.profile import CLASSES, MixProfile, Profile, user_profile_path
+from kvwise.bench.partial import read_partial
+from kvwise.hf.cache import KVWiseCache, full_kv_bytes
+from kvwise.hf.fingerprint import weights_fingerprint
+from kvwise.hf.generation import greedy_continue
+from kvwise.policies.mix import Mix, parse_mix
+
+log = logging.getLogger("kvwise.calibrate")
+
+# most useful first: a run cut short by --budget-minutes still covers the common choices
+DEFAULT_MIXES = (
+    "full",
+    "kivi4",
+    "snapkv@0.75",
+    "kvzip@0.75",
+    "snapkv@0.9",
+    "kivi2",
+    "snapkv@0.75+kivi4",
+    "streaming_llm@0.75",
+    "snapkv@0.5",
+    "kvzip@0.9",
+    "adakv@0.75",
+    "adakv@0.9",
+    "int8",
+    "kvzip@0.75+kivi4",
+    "snapkv@0.5+kivi4",
+    "snapkv@0.9+kivi4",
+    "pyramidkv@0.75",
+    "streaming_llm@0.5",
+    "h2o@0.75",
+    "tova@0.75",
+    "adakv@0.75+kivi4",
+    "streaming_llm@0.5+kivi4",
+)
+QUICK_MIXES = DEFAULT_MIXES[:8]
+PROBES = {"retrieval": 6, "chat": 4, "long_generation": 3}
+QUICK_PROBES = {"retrieval": 4, "chat": 3, "long_generation": 2}
+RETRIEVAL_TOKENS = 8
+
+
+@dataclass
+class CalibrateConfig:
+    model: str | None = None
+    data: str | None = None  # a folder of the user's documents (default: the built-in essays)
+    mixes: tuple[str, ...] = DEFAULT_MIXES
+    probes: dict | None = None
+    budget_minutes: float | None = None
+    seed: int = 0
+    quick: bool = False
+
+    def __post_init__(self):
+        if self.quick and self.mixes == DEFAULT_MIXES:
+            self.mixes = QUICK_MIXES
+        self.probes = dict(self.probes or (QUICK_PROBES if self.quick else PROBES))
+        # as spelled (kivi4, not its canonical spec with every option), one per canonical spec; full
+        # first, the reference of every quality; errors name the bad component
+        by_spec = {"full": "full"}
+        for mix in self.mixes:
+            by_spec.setdefault(parse_mix(mix).spec, mix.strip())
+        self.mixes = tuple(by_spec.values())
+        if self.budget_minutes is not None and self.budget_minutes <= 0:
+            raise ValueError(f"--budget-minutes must be positive, got {self.budget_minutes}")
+
+
+def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool = True, model=None) -> Path:
+    """Measure, write `<fingerprint>.json` (and .md, .png) under `out`; returns the JSON's path."""
+    if model is None:
+        from kvwise.models import load_model
+
+        model, tokenizer = load_model(config.model)
+    else:
+        model, tokenizer = model
+    fingerprint = weights_fingerprint(model)
+    out = Path(out) if out is not None else user_profile_path(fingerprint).parent
+    out.mkdir(parents=True, exist_ok=True)
+    text, description = calibration_text(config.data)
+    probes = make_probes(tokenizer, text, config.probes, config.seed)
+    header = {"fingerprint": fingerprint, "probes": config.probes, "seed": config.seed, "data": description}
+    partial = out / f"{fingerprint}.partial.jsonl"
+    done = read_partial(partial, lambda saved: saved == header, lambda row: (row["mix"], row["probe"]))
+    if not resume or not done:
+        partial.write_text(json.dumps({"config": header}) + "\n")
+        done = {}
+    started, rows = time.monotonic(), dict(done)
+    name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+    with open(partial, "a") as sink, tqdm(total=len(config.mixes) * len(probes), desc="calibrate", unit="probe") as bar:
+        for mix in config.mixes:
+            if mix != "full" and config.budget_minutes and time.monotonic() - started > 60 * config.budget_minutes:
+                log.warning("--budget-minutes spent: %s and the mixes after it are not measured", mix)
+                break
+            for index, probe in enumerate(probes):
+                if (mix, index) not in rows:
+                    row = {"mix": mix, "probe": index, **measure_probe(model, tokenizer, parse_mix(mix), probe)}
+                    rows[(mix, index)] = row
+                    sink.write(json.dumps(row) + "\n")
+                    sink.flush()
+                bar.update(1)
+    profile = build_profile(rows, probes, name, fingerprint, full_kv_bytes(model, 1, model.dtype.itemsize))
+    profile.data = description
+    path = profile.save(out / f"{fingerprint}.json")
+    (out / f"{fingerprint}.md").write_text(markdown(profile))
+    plot_fronts(profile, out / f"{fingerprint}.png")
+    partial.unlink()
+    return path
+
+
+@torch.no_grad()
+def measure_probe(model, tokenizer, mix: Mix, probe: Probe) -> dict:
+    """Run one probe under one mix: bytes kept after compressing the prompt, seconds, and the raw
+    outcome (the answer, the continuation's negative log-likelihood, the greedy tokens)."""
+    device = model.device
+    prompt = probe.prompt_ids.to(device)
+    started = time.perf_counter()
+    cache = KVWiseCache(
+        model,
+        mix.policy,
+        compression_ratio=mix.ratio,
+        max_kv_tokens=mix.max_tokens,
+        tokenizer=tokenizer,
+        quant=mix.quant,
+        **dict(mix.policy_options),
+    )
+    cache.compress_context(prompt[:, :-1])  # the engine compresses once the prompt is computed
+    row = {"bytes": cache.nbytes(), "full_bytes": full_kv_bytes(model, prompt.shape[1] - 1, model.dtype.itemsize)}
+    if probe.klass == "retrieval":
+        answer = tokenizer.decode(greedy_continue(model, cache, prompt[:, -1:], RETRIEVAL_TOKENS)[0])
+        row["correct"] = probe.answer in answer
+    elif probe.klass == "chat":
+        continuation = probe.continuation_ids.to(device)
+        inputs = torch.cat([prompt[:, -1:], continuation[:, :-1]], dim=1)
+        log_probs = torch.log_softmax(model(input_ids=inputs, cache=cache, use_cache=True).logits[0].float(), -1)
+        row["nll"] = -float(log_probs.gather(1, continuation[0, :, None]).mean())
+    else:
+        row["tokens"] = greedy_continue(model, cache, prompt[:, -1:], AGREEMENT_TOKENS)[0].tolist()
+    row["seconds"] = time.perf_counter() - started
+    row["prompt_tokens"] = prompt.shape[1]
+    return row
+
+
+def build_profile(rows: dict, probes: list[Probe], model: str, fingerprint: str, full_bytes_per_token: int) -> Profile:
+    """Aggregate the rows of every mix measured on every probe into a Profile."""
+    full = {index: rows[("full", index)] for index in range(len(probes))}
+    full_seconds = sum(row["seconds"] for row in full.values())
+    prompt_tokens = sum(row["prompt_tokens"] for row in full.values())
+    mixes = []
+    for mix in dict.fromkeys(key[0] for key in rows):
+        measured = [rows.get((mix, index)) for index in range(len(probes))]
+        if any(row is None for row in measured):
+            continue  # cut short: a mix is measured on every probe or not at all
+        quality, details = {}, {}
+        for klass in CLASSES:
+            indices = [index for index, probe in enumerate(probes) if probe.klass == klass]
+            quality[klass], details[klass] = _class_quality(
+                klass, [measured[i] for i in indices], [full[i] for i in indices]
+            )
+        mixes.append(
+            MixProfile(
+                mix=mix,
+                bytes_fraction=round(sum(r["bytes"] for r in measured) / sum(r["full_bytes"] for r in measured), 4),
+                extra_seconds_per_token=round(
+                    max(0.0, sum(r["seconds"] for r in measured) - full_seconds) / prompt_tokens, 6
+                ),
+                quality=quality,
+                details=details,
+            )
+        )
+    counts = {klass: sum(probe.klass == klass for probe in probes) for klass in CLASSES}
+    return Profile(model, fingerprint, full_bytes_per_token, mixes, probes=counts)
+
+
+def _class_quality(klass: str, rows: list[dict], full: list[dict]) -> tuple[float, dict]:
+    """Relative quality of one class in [0, 1] and its raw figures; 1.0 when the class has no probes."""
+    if not rows:
+        return 1.0, {"probes": 0}
+    if klass == "retrieval":
+        accuracy, reference = _mean(r["correct"] for r in rows), _mean(r["correct"] for r in full)
+        quality = 1.0 if reference == 0 else min(1.0, accuracy / reference)
+        return round(quality, 4), {"probes": len(rows), "accuracy": accuracy, "full_accuracy": reference}
+    if klass == "chat":
+        ratios = [min(1.0, math.exp(f["nll"] - r["nll"])) for r, f in zip(rows, full)]  # full ppl / this ppl
+        ppl = math.exp(_mean(r["nll"] for r in rows))
+        return round(_mean(ratios), 4), {
+            "probes": len(rows),
+            "ppl": round(ppl, 3),
+            "ppl_ratio": round(_mean(ratios), 4),
+        }
+    agreement = _mean(_agreement(r["tokens"], f["tokens"]) for r, f in zip(rows, full))
+    return round(agreement, 4), {"probes": len(rows), "agreement": round(agreement, 4)}
+
+
+def _agreement(tokens: list[int], reference: list[int]) -> float:
+    """1 when the first tokens equal the reference's, else the fraction of positions that match."""
+    compared = reference[:AGREEMENT_TOKENS]
+    return sum(a == b for a, b in zip(tokens, compared)) / max(1, len(compared))
+
+
+def _mean(values) -> float:
+    values = [float(value) for value in values]
+    return sum(values) / len(values) if values else 0.0
+
+
+def markdown(profile: Profile) -> str:
+    lines = [
+        f"Calibration profile of {profile.model} (weights {profile.fingerprint}), probes from {profile.data}: "
+        + ", ".join(f"{count} {klass}" for klass, count in profile.probes.items()),
+        "",
+        "| mix | bytes vs full | extra s/token | " + " | ".join(CLASSES) + " | on the front of |",
+        "|---|---|---|" + "---|" * len(CLASSES) + "---|",
+    ]
+    fronts = {klass: {entry.mix for entry in profile.front(klass)} for klass in CLASSES}
+    for entry in sorted(profile.mixes, key=lambda e: e.bytes_fraction):
+        quality = " | ".join(f"{entry.quality[klass]:.3f}" for klass in CLASSES)
+        on = ", ".join(klass for klass in CLASSES if entry.mix in fronts[klass]) or "-"
+        lines.append(
+            f"| {entry.mix} | {entry.bytes_fraction:.3f} | {entry.extra_seconds_per_token:.5f} | {quality} | {on} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def plot_fronts(profile: Profile, path: Path) -> None:
+    """Quality against bytes per class, the front joined by a line."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed (the [bench] extra): no plot of the profile")
+        return
+    figure, axes = plt.subplots(1, len(CLASSES), figsize=(5 * len(CLASSES), 4), sharey=True)
+    for axis, klass in zip(axes, CLASSES):
+        axis.scatter(
+            [e.bytes_fraction for e in profile.mixes], [e.quality[klass] for e in profile.mixes], s=14, c="grey"
+        )
+        front = profile.front(klass)
+        axis.plot([e.bytes_fraction for e in front], [e.quality[klass] for e in front], "o-", color="tab:blue")
+        for entry in front:
+            axis.annotate(entry.mix, (entry.bytes_fraction, entry.quality[klass]), fontsize=7, rotation=20)
+        axis.set_title(klass)
+        axis.set_xlabel("KV bytes / full")
+        axis.grid(alpha=0.3)
+    axes[0].set_ylabel("quality vs full")
+    figure.suptitle(f"{profile.model}: the Pareto front per class")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

@@ -44,6 +44,20 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--text-file", default=None, help="text to cut prompts from (default: the haystack essays)")
     check.add_argument("--device", default="cpu", help="cpu (default), cuda or auto; the checks run in float32")
 
+    calibrate = commands.add_parser(
+        "calibrate", help="measure what each KV mix keeps and costs on a model: the profile `--kv-policy auto` uses"
+    )
+    calibrate.add_argument("--model", default=None, help="HF hub id or local directory (default: embedded SmolLM2)")
+    calibrate.add_argument(
+        "--data", default=None, help="a folder of your .txt/.md documents to probe on (default: built-in essays)"
+    )
+    calibrate.add_argument("--budget-minutes", type=float, default=None, help="stop starting new mixes after this")
+    calibrate.add_argument("--mixes", default=None, help="comma list of mixes (default: 22, or 8 with --quick)")
+    calibrate.add_argument("--quick", action="store_true", help="8 mixes on fewer probes (a few minutes)")
+    calibrate.add_argument("--seed", type=int, default=0)
+    calibrate.add_argument("--out", default=None, help="folder for the profile (default: $KVWISE_HOME/profiles)")
+    calibrate.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run")
+
     bench = commands.add_parser("bench", help="benchmarks")
     add_bench_parsers(bench.add_subparsers(dest="workload", required=True))
     return parser
@@ -137,6 +151,16 @@ def _command_bench(args) -> None:
     run_bench(args)
 
 
+def _command_calibrate(args) -> None:
+    from kvwise.adaptive.calibrate import DEFAULT_MIXES, CalibrateConfig, run_calibrate
+
+    mixes = tuple(part.strip() for part in args.mixes.split(",") if part.strip()) if args.mixes else DEFAULT_MIXES
+    config = CalibrateConfig(args.model, args.data, mixes, None, args.budget_minutes, args.seed, args.quick)
+    path = run_calibrate(config, args.out, resume=not args.no_resume)
+    print(path.with_suffix(".md").read_text())
+    print(f"profile: {path}")
+
+
 def _command_serve(args) -> None:
     from kvwise.server.serve import run_server
 
@@ -149,6 +173,7 @@ _COMMANDS = {
     "demo": _command_demo,
     "bench": _command_bench,
     "serve": _command_serve,
+    "calibrate": _command_calibrate,
     "check-model": _command_check_model,
 }
 

@@ -69,6 +69,7 @@ class CalibrateConfig:
     budget_minutes: float | None = None
     seed: int = 0
     quick: bool = False
+    probe_lengths: dict | None = None  # class -> (fewest, most) passage tokens (default probes.LENGTHS)
 
     def __post_init__(self):
         if self.quick and self.mixes == DEFAULT_MIXES:
@@ -96,8 +97,15 @@ def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool
     out = Path(out) if out is not None else user_profile_path(fingerprint).parent
     out.mkdir(parents=True, exist_ok=True)
     text, description = calibration_text(config.data)
-    probes = make_probes(tokenizer, text, config.probes, config.seed)
-    header = {"fingerprint": fingerprint, "probes": config.probes, "seed": config.seed, "data": description}
+    probes = make_probes(tokenizer, text, config.probes, config.seed, config.probe_lengths)
+    header = {
+        "fingerprint": fingerprint,
+        "probes": config.probes,
+        "seed": config.seed,
+        "data": description,
+        "lengths": config.probe_lengths,
+    }
+    header = json.loads(json.dumps(header))  # as it reads back (tuples become lists)
     partial = out / f"{fingerprint}.partial.jsonl"
     done = read_partial(partial, lambda saved: saved == header, lambda row: (row["mix"], row["probe"]))
     if not resume or not done:
@@ -164,6 +172,7 @@ def build_profile(rows: dict, probes: list[Probe], model: str, fingerprint: str,
     full = {index: rows[("full", index)] for index in range(len(probes))}
     full_seconds = sum(row["seconds"] for row in full.values())
     prompt_tokens = sum(row["prompt_tokens"] for row in full.values())
+    full_bytes = sum(row["bytes"] for row in full.values())  # what the full cache held on the same probes
     mixes = []
     for mix in dict.fromkeys(key[0] for key in rows):
         measured = [rows.get((mix, index)) for index in range(len(probes))]
@@ -178,7 +187,7 @@ def build_profile(rows: dict, probes: list[Probe], model: str, fingerprint: str,
         mixes.append(
             MixProfile(
                 mix=mix,
-                bytes_fraction=round(sum(r["bytes"] for r in measured) / sum(r["full_bytes"] for r in measured), 4),
+                bytes_fraction=round(sum(r["bytes"] for r in measured) / full_bytes, 4),
                 extra_seconds_per_token=round(
                     max(0.0, sum(r["seconds"] for r in measured) - full_seconds) / prompt_tokens, 6
                 ),

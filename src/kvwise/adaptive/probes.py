@@ -54,11 +54,18 @@ def calibration_text(data_dir: str | Path | None = None) -> tuple[str, str]:
     return text, f"{len(files)} documents under {folder}"
 
 
-def make_probes(tokenizer, text: str, counts: dict[str, int], seed: int = 0) -> list[Probe]:
-    """`counts[klass]` probes of each class, deterministic for `seed`, from one token stream of `text`."""
+LENGTHS = {"retrieval": (1000, 2000), "chat": (600, 1200), "long_generation": (256, 512)}  # passage tokens
+
+
+def make_probes(
+    tokenizer, text: str, counts: dict[str, int], seed: int = 0, lengths: dict | None = None
+) -> list[Probe]:
+    """`counts[klass]` probes of each class, deterministic for `seed`, from one token stream of
+    `text`, with passages of `lengths[klass]` = (fewest, most) tokens (default LENGTHS)."""
+    lengths = {**LENGTHS, **(lengths or {})}
     stream = tokenizer(text, add_special_tokens=False).input_ids
     rng = random.Random(seed)
-    needed = {"retrieval": 2000, "chat": 1200 + CONTINUATION_TOKENS, "long_generation": 512}
+    needed = {klass: most + (CONTINUATION_TOKENS if klass == "chat" else 0) for klass, (_, most) in lengths.items()}
     longest = max((needed[klass] for klass, count in counts.items() if count), default=0)
     if len(stream) < longest + 1:
         raise ValueError(f"the calibration text holds {len(stream)} tokens; probes need at least {longest + 1}")
@@ -69,13 +76,18 @@ def make_probes(tokenizer, text: str, counts: dict[str, int], seed: int = 0) -> 
 
     probes = []
     for _ in range(counts.get("retrieval", 0)):
-        probes.append(_retrieval(tokenizer, passage(rng.randint(1000, 2000)), rng))
+        probes.append(_retrieval(tokenizer, passage(rng.randint(*lengths["retrieval"])), rng))
     for _ in range(counts.get("chat", 0)):
-        ids = passage(rng.randint(600, 1200) + CONTINUATION_TOKENS)
+        ids = passage(rng.randint(*lengths["chat"]) + CONTINUATION_TOKENS)
         context, continuation = ids[:-CONTINUATION_TOKENS], ids[-CONTINUATION_TOKENS:]
         probes.append(Probe("chat", torch.tensor([bos_ids(tokenizer) + context]), torch.tensor([continuation])))
     for _ in range(counts.get("long_generation", 0)):
-        probes.append(Probe("long_generation", torch.tensor([_instruction(tokenizer, passage(rng.randint(256, 512)))])))
+        probes.append(
+            Probe(
+                "long_generation",
+                torch.tensor([_instruction(tokenizer, passage(rng.randint(*lengths["long_generation"])))]),
+            )
+        )
     return probes
 
 

@@ -28,7 +28,7 @@ FORMAT = 1
 @dataclass
 class MixProfile:
     """One mix's measurements. bytes_fraction: KV bytes after the mix / the full cache's on the same
-    tokens (mean over probes); extra_seconds_per_token: wall time per prompt token over full's
+    probes (summed over them); extra_seconds_per_token: wall time per prompt token over full's
     (a reconstruction pass, quantization); quality: class -> relative quality in [0, 1]; details:
     class -> the raw figures (accuracy, perplexity ratio, agreement, probes)."""
 

@@ -25,6 +25,7 @@ def names(text: str) -> list[str]:
 
 
 def add_bench_parsers(workloads) -> None:
+    add_adaptive_parser(workloads)
     niah = workloads.add_parser("niah", help="needle in a haystack under compression")
     niah.add_argument("--policies", type=names, default=None)
     niah.add_argument("--ratios", type=floats, default=None)
@@ -130,9 +131,55 @@ def add_bench_parsers(workloads) -> None:
     load.add_argument("--quick", action="store_true", help="16 clients for 15 s")
 
 
+def add_adaptive_parser(workloads) -> None:
+    adaptive = workloads.add_parser(
+        "adaptive", help="the adaptive KV controller against fixed techniques under one memory budget"
+    )
+    adaptive.add_argument("--requests", type=int, default=None, help="requests (default 120; 48 with --quick)")
+    adaptive.add_argument(
+        "--mix", type=floats, default=None, help="class proportions retrieval,chat,short,long (default 0.4,0.3,0.2,0.1)"
+    )
+    adaptive.add_argument("--rate", type=float, default=None, help="arrivals per second (default: full's service rate)")
+    adaptive.add_argument("--budgets", type=floats, default=None, help="fractions of peak full-cache demand (0.3,1.0)")
+    adaptive.add_argument("--repeats", type=int, default=None, help="runs per system and budget (the spread)")
+    adaptive.add_argument("--systems", type=names, default=None, help="a subset of the systems (default: all)")
+    adaptive.add_argument("--quality", type=float, default=None, help="auto's quality floor (default 0.98)")
+    adaptive.add_argument("--profile", default=None, help="a profile JSON (default: the model's)")
+    adaptive.add_argument("--seed", type=int, default=None)
+    adaptive.add_argument("--haystack-dir", default=None, help="a folder of .txt files for the passages")
+    adaptive.add_argument("--needle", default=None, help="needle template containing {key}")
+    adaptive.add_argument("--question", default=None)
+    adaptive.add_argument("--answer-prefix", default=None)
+    adaptive.add_argument("--model", default=None)
+    adaptive.add_argument("--quick", action="store_true", help="48 requests, passages of 1-2K tokens (~15 min)")
+    adaptive.add_argument("--out", type=Path, default=Path("results/adaptive"))
+    adaptive.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")
+
+
+def _adaptive(args) -> None:
+    from kvwise.bench.adaptive import AdaptiveBenchConfig, run_adaptive_bench
+    from kvwise.bench.adaptive_workload import WorkloadSpec
+
+    spec = WorkloadSpec()
+    if args.quick:
+        spec.requests, spec.retrieval_tokens, spec.chat_tokens = 48, (1000, 2000), (1000, 2000)
+    if args.mix is not None:
+        spec.proportions = tuple(args.mix)
+    _override(spec, args, ("requests", "seed", "haystack_dir", "needle", "question", "answer_prefix"))
+    config = AdaptiveBenchConfig(workload=spec, model=args.model)
+    if args.systems is not None:
+        args.systems = tuple(args.systems)
+    if args.budgets is not None:
+        args.budgets = tuple(args.budgets)
+    _override(config, args, ("systems", "budgets", "rate", "repeats", "quality", "profile"))
+    run_adaptive_bench(config, args.out, resume=not args.no_resume)
+    print((args.out / "adaptive.md").read_text())
+    print(f"wrote {args.out / 'adaptive.json'}")
+
+
 def run_bench(args) -> None:
     commands = {"niah": _niah, "ppl": _ppl, "reuse": _reuse, "throughput": _throughput, "rag": _rag}
-    commands["isolation"], commands["load"] = _isolation, _load
+    commands["isolation"], commands["load"], commands["adaptive"] = _isolation, _load, _adaptive
     commands[args.workload](args)
 
 

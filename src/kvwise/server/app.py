@@ -20,6 +20,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from kvwise.adaptive.request_class import check_hint
 from kvwise.engine.core import ContextLengthError, EngineCore
 from kvwise.engine.detokenizer import IncrementalText
 from kvwise.engine.kv_settings import KVSettings
@@ -244,13 +245,16 @@ class _Handlers:
         compress_upto = None
         if body.kv_prefix is not None and body.kv_prefix.compress is not None:
             kv, compress_upto = self._compression(body, chat, prompts, kv)
+        auto = self._kv_auto(body, kv)
+        turns = sum(message.role == "user" for message in body.messages) if chat else 0
         requests = []
         for prompt_index, token_ids in enumerate(prompts):
             try:
                 for index in range(params.n):
                     request = self.core.make_request(
-                        token_ids, params, index, tenant=caller.tenant, kv=kv, compress_upto=compress_upto
+                        token_ids, params, index, tenant=caller.tenant, kv=kv, compress_upto=compress_upto, kv_auto=auto
                     )
+                    request.turns = turns
                     request.shared_prefix_tokens = shared_tokens
                     request.may_publish_shared = caller.may_write_shared
                     request.choice = prompt_index * params.n + index
@@ -272,7 +276,7 @@ class _Handlers:
         completions = await self._wait(http, requests, events)
         if completions is None:  # the client hung up: its requests are cancelled, nobody reads an answer
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(formatter.response(completions, prompt_tokens, top))
+        return JSONResponse(formatter.response(completions, prompt_tokens, top, kv_usage(requests)))
 
     async def _parse(self, http: Request, model):
         declared = http.headers.get("content-length")
@@ -469,6 +473,21 @@ class _Handlers:
         self._check_quant_enabled(settings, body.kv_quant, "kv_quant")
         return settings
 
+    def _kv_auto(self, body, kv: KVSettings | None) -> str | None:
+        """The class hint for the adaptive controller, or None when the request's own settings hold
+        (they always win) or the server has no controller."""
+        hint = body.kv_profile
+        if hint is not None:
+            try:
+                check_hint(hint)
+            except ValueError as error:
+                raise OpenAIError(400, str(error), param="kv_profile") from None
+            if self.core.controller is None:
+                raise OpenAIError(400, "kv_profile needs a server started with --kv-policy auto", param="kv_profile")
+        if self.core.controller is None or kv is not None:
+            return None
+        return hint or "auto"
+
     def _check_quant_enabled(self, settings: KVSettings, asked: str | None, param: str) -> None:
         allowed = self.settings.kv_quant_options
         if settings.quant is not None and settings.quant not in allowed:
@@ -546,11 +565,28 @@ class _Handlers:
                     remaining.discard(request)
                     yield _sse(formatter.chunk(request.choice, None, item.finish_reason))
             if include_usage:
-                yield _sse(formatter.usage_chunk(prompt_tokens, sum(len(r.completion.token_ids) for r in requests)))
+                completion_tokens = sum(len(r.completion.token_ids) for r in requests)
+                yield _sse(formatter.usage_chunk(prompt_tokens, completion_tokens, kv_usage(requests)))
             yield "data: [DONE]\n\n"
         finally:
             if remaining:  # the client went away (the generator was cancelled or closed)
                 self.engine.abort(list(remaining))
+
+
+def kv_usage(requests) -> dict | list | None:
+    """usage.kv: the mix each choice ran with, and why (one entry when they agree); None when no
+    request had KV settings of its own or from the controller."""
+    entries = []
+    for request in sorted(requests, key=lambda r: r.choice):
+        if request.kv_choice is not None:
+            entries.append(request.kv_choice.as_usage())
+        elif request.kv is not None:
+            entries.append({"mix": request.kv.spec, "class": None, "reason": "explicit"})
+        else:
+            entries.append(None)
+    if all(entry is None for entry in entries):
+        return None
+    return entries[0] if all(entry == entries[0] for entry in entries) else entries
 
 
 def _sse(payload: dict) -> str:

@@ -167,11 +167,39 @@ class _StateCollector:
         preemptions = CounterMetricFamily("kvwise_preemptions", "Requests preempted under memory pressure")
         preemptions.add_metric([], scheduler.preemptions)
         yield preemptions
+        if self.core.controller is not None:
+            yield from adaptive_metrics(self.core.controller)
         yield GaugeMetricFamily("kvwise_queue_depth", "Requests waiting to run", value=len(scheduler.waiting))
         yield GaugeMetricFamily("kvwise_running_requests", "Requests running", value=len(scheduler.running))
         yield GaugeMetricFamily(
             "kvwise_uptime_seconds", "Seconds since the metrics started", value=time.monotonic() - _START
         )
+
+
+def adaptive_metrics(controller):
+    """The adaptive controller's decisions: actions by reason, bytes freed, predicted quality."""
+    decisions = controller.decisions
+    actions = CounterMetricFamily(
+        "kvwise_adaptive_actions", "KV controller decisions by action and reason", labels=["action", "reason"]
+    )
+    for (action, reason), count in list(decisions.counts.items()):
+        actions.add_metric([action, reason], count)
+    yield actions
+    freed = CounterMetricFamily(
+        "kvwise_adaptive_freed_bytes", "KV bytes freed by controller actions", labels=["action"]
+    )
+    for action, count in list(decisions.bytes_freed.items()):
+        freed.add_metric([action], count)
+    yield freed
+    quality = GaugeMetricFamily(
+        "kvwise_adaptive_predicted_quality",
+        "Mean predicted quality (vs the full cache) of the mixes chosen, per request class",
+        labels=["class"],
+    )
+    for klass, value in decisions.predicted_quality().items():
+        quality.add_metric([klass], value)
+    yield quality
+    yield GaugeMetricFamily("kvwise_adaptive_level", "Rungs of the pressure ladder in force", value=controller.level)
 
 
 _START = time.monotonic()

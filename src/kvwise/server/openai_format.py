@@ -11,12 +11,17 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, kv: dict | list | None = None) -> dict:
+    """kv: the KV mix the request ran with (kvwise's extension; absent when it kept everything by
+    default), one entry, or one per choice when they differ."""
+    body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
     }
+    if kv is not None:
+        body["kv"] = kv
+    return body
 
 
 class Formatter:
@@ -31,8 +36,8 @@ class Formatter:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, completions, prompt_tokens: int, top_logprobs: int = 0) -> dict:
-        """completions: CompletionOutputs, one per choice."""
+    def response(self, completions, prompt_tokens: int, top_logprobs: int = 0, kv=None) -> dict:
+        """completions: CompletionOutputs, one per choice; kv: see `usage`."""
         choices = []
         for completion in completions:
             choice = {"index": completion.index, "finish_reason": completion.finish_reason}
@@ -44,7 +49,7 @@ class Formatter:
             choice["logprobs"] = logprobs
             choices.append(choice)
         body = self._envelope(sorted(choices, key=lambda c: c["index"]), chunk=False)
-        body["usage"] = usage(prompt_tokens, sum(len(c.token_ids) for c in completions))
+        body["usage"] = usage(prompt_tokens, sum(len(c.token_ids) for c in completions), kv)
         return body
 
     def chunk(
@@ -58,9 +63,9 @@ class Formatter:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope([choice], chunk=True)
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, kv=None) -> dict:
         body = self._envelope([], chunk=True)
-        body["usage"] = usage(prompt_tokens, completion_tokens)
+        body["usage"] = usage(prompt_tokens, completion_tokens, kv)
         return body
 
     def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, top: int) -> dict | None:

@@ -70,6 +70,9 @@ class KVOptions(_Strict):
     max_kv_tokens: int | None = None
     # all of the above in one mix spec, e.g. "kvzip@0.9+kivi4" or "h2o@max=1024" (kvwise.policies.mix)
     kv_mix: str | None = Field(default=None, max_length=512)
+    # with `serve --kv-policy auto`: the request's class for the controller (retrieval, chat,
+    # long_generation, or auto: from its features); explicit settings above win over it
+    kv_profile: str | None = Field(default=None, max_length=64)
 
 
 class _Sampling(KVOptions):

@@ -105,6 +105,35 @@ def add_serve_arguments(parser) -> None:
         "--body-timeout", type=float, default=30.0, help="seconds a client may pause while sending a request body"
     )
     parser.add_argument("--log-level", default="info")
+    adaptive = parser.add_argument_group("adaptive KV (kv-policy auto)")
+    adaptive.add_argument(
+        "--kv-policy",
+        choices=["auto"],
+        default=None,
+        help="auto: pick each request's KV mix from the model's calibration profile (default: requests' own)",
+    )
+    adaptive.add_argument(
+        "--kv-budget-gb",
+        type=float,
+        default=None,
+        help="all the KV memory to use (pool, host swap, quantized blocks); sizes the pool instead of --num-blocks",
+    )
+    adaptive.add_argument(
+        "--kv-quality", type=float, default=0.98, help="floor on predicted quality vs the full cache, in (0, 1]"
+    )
+    adaptive.add_argument(
+        "--kv-class-mix",
+        action="append",
+        default=[],
+        metavar="CLASS=MIX",
+        help="pin a request class to a mix, e.g. retrieval=kvzip@0.75+kivi4 (repeatable)",
+    )
+    adaptive.add_argument("--kv-profile", default=None, help="a profile JSON (default: the model's, by fingerprint)")
+    adaptive.add_argument(
+        "--kv-calibrate-on-start",
+        action="store_true",
+        help="without a profile for the model, run `kvwise calibrate --quick` before serving",
+    )
 
 
 def build_app(args):
@@ -128,17 +157,26 @@ def build_app(args):
         prefix_quota_blocks=args.prefix_quota_blocks,
         fair_prefix_shares=not args.no_fair_prefix_shares,
     )
+    kv_quant_options = parse_kv_quant_options(args.kv_quant_options)
+    adaptive = adaptive_config(args, kv_quant_options)  # flags checked before the model loads
     tiers = prefix_tiers(args, server_keys)
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     name = args.served_model_name or (EMBEDDED_NAME if args.model is None else Path(args.model.rstrip("/")).name)
+    if args.kv_budget_gb is not None:
+        from kvwise.adaptive.budget import cache_config_for_budget
+
+        cache = cache_config_for_budget(model, int(args.kv_budget_gb * (1 << 30)), cache)
+    controller = adaptive_controller(args, adaptive, model, tokenizer) if adaptive is not None else None
     core = EngineCore(model, tokenizer, cache, tiers, namespace_key=server_keys.namespace)
+    if controller is not None:
+        core.attach_controller(controller)
     settings = ServerSettings(
         name,
         server_keys.api_keys,
         args.max_queue,
         default_max_tokens=args.default_max_tokens,
         chat_template=load_chat_template(args.chat_template),
-        kv_quant_options=parse_kv_quant_options(args.kv_quant_options),
+        kv_quant_options=kv_quant_options,
         metrics_key=args.metrics_key,
         metrics_per_tenant=args.metrics_per_tenant,
         metrics_max_tenants=args.metrics_max_tenants,
@@ -147,6 +185,51 @@ def build_app(args):
         shared_timing_pad=args.shared_timing_pad,
     )
     return create_app(core, settings)
+
+
+def adaptive_config(args, kv_quant_options):
+    """The controller's settings from the flags (errors name the flag), or None without --kv-policy auto."""
+    from kvwise.adaptive.controller import AdaptiveConfig
+
+    if args.kv_budget_gb is not None and args.kv_budget_gb <= 0:
+        raise ValueError(f"--kv-budget-gb must be positive, got {args.kv_budget_gb}")
+    if args.kv_policy != "auto":
+        if args.kv_class_mix or args.kv_calibrate_on_start or args.kv_profile:
+            raise ValueError("--kv-class-mix, --kv-profile and --kv-calibrate-on-start need --kv-policy auto")
+        return None
+    pinned = {}
+    for item in args.kv_class_mix:
+        klass, equals, mix = item.partition("=")
+        if not equals:
+            raise ValueError(f"--kv-class-mix takes CLASS=MIX, e.g. retrieval=kvzip@0.75+kivi4; got {item!r}")
+        pinned[klass.strip()] = mix.strip()
+    try:
+        return AdaptiveConfig(
+            args.kv_quality,
+            allowed_quants=tuple(spec.split(":")[0] for spec in kv_quant_options),
+            class_mix=pinned,
+        )
+    except ValueError as error:
+        flag = "--kv-quality" if "quality" in str(error) else "--kv-class-mix"
+        raise ValueError(f"{flag}: {error}") from None
+
+
+def adaptive_controller(args, config, model, tokenizer):
+    """The controller on the model's profile; without one, --kv-calibrate-on-start makes it (quick)."""
+    from kvwise.adaptive.controller import AdaptiveController
+    from kvwise.adaptive.profile import require_profile
+
+    try:
+        profile = require_profile(model, args.kv_profile)
+    except ValueError:
+        if not args.kv_calibrate_on_start or args.kv_profile is not None:
+            raise
+        from kvwise.adaptive.calibrate import CalibrateConfig, run_calibrate
+
+        log.warning("no KV profile for this model: calibrating (--quick) before serving")
+        run_calibrate(CalibrateConfig(quick=True), model=(model, tokenizer))
+        profile = require_profile(model)
+    return AdaptiveController(profile, config)
 
 
 def prefix_tiers(args, keys=None) -> list:

@@ -1,0 +1,439 @@
+"""`kvwise bench adaptive`: the adaptive controller against fixed techniques under one KV budget.
+
+Each system serves the same open-loop workload (`adaptive_workload`) through the engine, with all
+its KV memory (pool, host swap, quantized blocks) limited to a fraction of the workload's peak
+full-cache demand. Quality is scored per request against the full cache at unlimited memory:
+- retrieval: 1 if the key is in the answer, divided by the full cache's accuracy on the same requests;
+- chat: min(1, full's perplexity / this one's) on the full cache's reply, replayed through the
+  library cache with the settings the request ended with (the engine's tests hold the two equal);
+- short and long generation: the fraction of the first 32 tokens equal to the full cache's.
+
+The rate, unless given, is the full cache's service rate at unlimited memory, measured on a burst
+of the same requests: at a budget under the peak, `full` cannot keep up with it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from kvwise.adaptive.budget import POOL_SHARE, SWAP_SHARE, cache_config_for_budget, token_bytes
+from kvwise.bench.adaptive_workload import CLASSES, WorkloadRequest, WorkloadSpec, at_rate, build_workload
+from kvwise.bench.environment import system_info
+from kvwise.bench.partial import read_partial
+from kvwise.bench.stats import percentile
+from kvwise.engine.config import CacheConfig
+from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.sampling import SamplingParams
+
+log = logging.getLogger("kvwise.bench")
+
+FIXED = ("snapkv@0.75", "streaming_llm@0.75", "kvzip@0.9", "kivi4", "kivi2", "kvzip@0.75+kivi4")
+SYSTEMS = ("full", *FIXED, "host-spill", "static", "auto")
+STATIC_TABLE = {"chat": "h2o@0.5", "long_generation": "streaming_llm@0.5", "short": "full"}  # + retrieval: profile's
+AGREEMENT_TOKENS = 32
+UNLIMITED_BYTES = 6 << 30  # the reference's pool: never full on these workloads (its preemptions are reported)
+
+
+@dataclass
+class AdaptiveBenchConfig:
+    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    systems: tuple[str, ...] = SYSTEMS
+    budgets: tuple[float, ...] = (0.3, 1.0)
+    rate: float | None = None  # requests per second; None: full's service rate at unlimited memory
+    repeats: int = 1
+    quality: float = 0.98  # auto's floor
+    profile: str | None = None  # a profile JSON (default: the model's, by fingerprint)
+    model: str | None = None
+
+    def __post_init__(self):
+        unknown = [name for name in self.systems if name not in SYSTEMS]
+        if unknown:
+            raise ValueError(f"unknown systems {unknown}; choose from: {', '.join(SYSTEMS)}")
+        if any(not 0 < budget <= 4 for budget in self.budgets):
+            raise ValueError("--budgets are fractions of peak demand in (0, 4]")
+        if self.repeats < 1:
+            raise ValueError(f"--repeats must be >= 1, got {self.repeats}")
+
+
+def run_adaptive_bench(config: AdaptiveBenchConfig, out_dir: Path, resume: bool = True) -> dict:
+    from kvwise.adaptive.profile import require_profile
+    from kvwise.models import load_model
+
+    model, tokenizer = load_model(config.model)
+    profile = require_profile(model, config.profile)
+    requests = build_workload(tokenizer, config.workload)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    header = {key: value for key, value in asdict(config).items() if key not in ("systems", "budgets", "repeats")}
+    partial = out_dir / "adaptive.partial.jsonl"
+    done = read_partial(partial, lambda saved: saved == header, lambda row: row["key"])
+    if not resume or not done:
+        partial.write_text(json.dumps({"config": header}) + "\n")
+        done = {}
+    runs = 2 + len(config.systems) * len(config.budgets) * config.repeats
+    bench = _Bench(model, tokenizer, profile, requests, config)
+    with open(partial, "a") as sink, tqdm(total=runs * len(requests), desc="adaptive", unit="request") as bar:
+
+        def measured(key: str, run):
+            if key not in done:
+                done[key] = {"key": key, **run(bar)}
+                sink.write(json.dumps(done[key]) + "\n")
+                sink.flush()
+            else:
+                bar.update(len(requests))
+            return done[key]
+
+        rate = config.rate
+        if rate is None:
+            burst = measured("burst", lambda bar: bench.run("full", None, at_rate(requests, None), bar))
+            rate = len(requests) / burst["wall_seconds"]
+        arrivals = at_rate(requests, rate)
+        reference = measured(f"reference@{rate:.4f}", lambda bar: bench.run("full", None, arrivals, bar))
+        peak = reference["peak_kv_bytes"]
+        rows = []
+        for fraction in config.budgets:
+            budget = max(int(fraction * peak), bench.least_budget())
+            for system in config.systems:
+                for repeat in range(config.repeats):
+                    key = f"{system}@{fraction}#{repeat}@{rate:.4f}"
+                    row = measured(key, lambda bar, s=system, b=budget: bench.run(s, b, arrivals, bar))
+                    rows.append({**row, "system": system, "budget": fraction, "repeat": repeat})
+    scored = bench.score(rows, reference)
+    report = {
+        "workload": "adaptive",
+        "config": asdict(config),
+        "system": system_info(model.device),
+        "rate": rate,
+        "rate_source": "given" if config.rate is not None else "full's service rate at unlimited memory (a burst)",
+        "peak_demand_bytes": peak,
+        "reference": _summary(reference),
+        "profile": profile.fingerprint,
+        "results": scored,
+    }
+    (out_dir / "adaptive.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "adaptive.md").write_text(markdown(report))
+    plot(report, out_dir / "adaptive.png")
+    partial.unlink()
+    return report
+
+
+class _Bench:
+    def __init__(self, model, tokenizer, profile, requests: list[WorkloadRequest], config: AdaptiveBenchConfig):
+        self.model, self.tokenizer, self.profile, self.requests, self.config = (
+            model,
+            tokenizer,
+            profile,
+            requests,
+            config,
+        )
+        self.token_bytes = token_bytes(model)
+        self.longest = max(len(r.prompt) + r.max_tokens for r in requests)
+        self._replays: dict[tuple[int, str], float] = {}
+
+    def least_budget(self) -> int:
+        """The smallest budget whose pool holds the longest request."""
+        block = CacheConfig.block_size
+        return math.ceil(-(-self.longest // block) * block * self.token_bytes / POOL_SHARE) + 1
+
+    # ---- one run -------------------------------------------------------------------------------
+    def run(self, system: str, budget: int | None, arrivals: list[float], bar) -> dict:
+        from kvwise.engine.core import EngineCore
+
+        if budget is None:
+            cache = CacheConfig(num_blocks=UNLIMITED_BYTES // (self.token_bytes * CacheConfig.block_size))
+        else:
+            cache = cache_config_for_budget(self.model, budget, CacheConfig(), self.longest)
+        tiers = []
+        if system == "host-spill":
+            from kvwise.tiers.host import HostTier
+
+            tiers = [HostTier(int(budget * (1 - POOL_SHARE - SWAP_SHARE)))]
+        core = EngineCore(self.model, self.tokenizer, cache, tiers)
+        if system == "auto":
+            from kvwise.adaptive.controller import AdaptiveConfig, AdaptiveController
+
+            core.attach_controller(AdaptiveController(self.profile, AdaptiveConfig(self.config.quality)))
+        engine_requests = [self._request(core, system, request) for request in self.requests]
+        started, peak = self._drive(core, engine_requests, arrivals, bar)
+        finished = max(r.finish_time for r in engine_requests)
+        outputs = sum(len(r.output) for r in engine_requests)
+        ttfts = [r.first_token_time - r.arrival for r in engine_requests]
+        controller = core.controller
+        return {
+            "budget_bytes": budget,
+            "num_blocks": cache.num_blocks,
+            "wall_seconds": finished - started,
+            "output_tokens": outputs,
+            "tokens_per_second": outputs / (finished - started),
+            "ttft_p50_s": percentile(ttfts, 0.5),
+            "ttft_p99_s": percentile(ttfts, 0.99),
+            "preemptions": core.scheduler.preemptions,
+            "peak_kv_bytes": peak,
+            "actions": {f"{a}:{r}": n for (a, r), n in controller.decisions.counts.items()} if controller else {},
+            "freed_bytes": dict(controller.decisions.bytes_freed) if controller else {},
+            "requests": [
+                {
+                    "tokens": r.output[:AGREEMENT_TOKENS],
+                    "reply": r.output[:64] if w.klass == "chat" else None,
+                    "answer": self.tokenizer.decode(r.output) if w.klass == "retrieval" else None,
+                    "settings": _settings_spec(r.kv),
+                    "choice": r.kv_choice.mix if r.kv_choice is not None else None,
+                }
+                for r, w in zip(engine_requests, self.requests)
+            ],
+        }
+
+    def _request(self, core, system: str, request: WorkloadRequest):
+        params = SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True)
+        mix = None
+        if system in FIXED:
+            mix = system
+        elif system == "static":
+            mix = STATIC_TABLE.get(request.klass) or self.static_retrieval()
+        kv = KVSettings.from_mix(mix) if mix not in (None, "full") else None
+        return core.make_request(request.prompt, params, kv=kv, kv_auto="auto" if system == "auto" else None)
+
+    def static_retrieval(self) -> str:
+        """The profile's best single technique for retrieval: the cheapest mix with one component
+        that meets the quality floor."""
+        singles = [entry for entry in self.profile.mixes if "+" not in entry.mix]
+        meeting = [e for e in singles if e.quality["retrieval"] >= self.config.quality] or singles
+        return min(meeting, key=lambda e: e.bytes_fraction).mix
+
+    @staticmethod
+    def _drive(core, engine_requests, arrivals: list[float], bar) -> tuple[float, int]:
+        """Add each request at its arrival time and step until all are done; (start, peak KV bytes)."""
+        order = sorted(range(len(engine_requests)), key=lambda i: arrivals[i])
+        started, cursor, peak = time.monotonic(), 0, 0
+        while cursor < len(order) or core.has_work:
+            now = time.monotonic() - started
+            while cursor < len(order) and arrivals[order[cursor]] <= now:
+                request = engine_requests[order[cursor]]
+                request.arrival = time.monotonic()
+                core.add(request)
+                cursor += 1
+            if not core.has_work:
+                time.sleep(max(0.0, min(0.05, arrivals[order[cursor]] - now)))
+                continue
+            events = core.step()
+            bar.update(sum(event.finish_reason is not None for event in events))
+            stats = core.kv.stats()
+            held = stats.used_bytes + stats.quantized_bytes + (stats.swap_used_bytes or 0)
+            peak = max(peak, held + sum(tier.bytes_held for tier in stats.tiers))
+        return started, peak
+
+    # ---- quality -------------------------------------------------------------------------------
+    def score(self, rows: list[dict], reference: dict) -> list[dict]:
+        full = reference["requests"]
+        correct_full = {
+            i: self.requests[i].answer in (full[i]["answer"] or "")
+            for i, r in enumerate(self.requests)
+            if r.klass == "retrieval"
+        }
+        accuracy_full = sum(correct_full.values()) / max(1, len(correct_full))
+        scored = []
+        for row in tqdm(rows, desc="score", unit="run"):
+            per_request = []
+            for index, (request, outcome) in enumerate(zip(self.requests, row["requests"])):
+                if request.klass == "retrieval":
+                    hit = request.answer in (outcome["answer"] or "")
+                    per_request.append(min(1.0, hit / accuracy_full) if accuracy_full else 1.0)
+                elif request.klass == "chat":
+                    per_request.append(self._chat_quality(index, outcome["settings"], full[index]["reply"]))
+                else:
+                    per_request.append(_agreement(outcome["tokens"], full[index]["tokens"]))
+            classes = {
+                klass: _mean(q for q, r in zip(per_request, self.requests) if r.klass == klass) for klass in CLASSES
+            }
+            retrieval = [
+                self.requests[i].answer in (o["answer"] or "")
+                for i, o in enumerate(row["requests"])
+                if self.requests[i].klass == "retrieval"
+            ]
+            scored.append(
+                {
+                    **_summary(row),
+                    "system": row["system"],
+                    "budget": row["budget"],
+                    "repeat": row["repeat"],
+                    "quality": _mean(per_request),
+                    "class_quality": classes,
+                    "retrieval_accuracy": _mean(retrieval),
+                    "full_retrieval_accuracy": accuracy_full,
+                    "compressed_requests": sum(o["settings"] is not None for o in row["requests"]),
+                }
+            )
+        return scored
+
+    @torch.no_grad()
+    def _chat_quality(self, index: int, settings: str | None, reply: list[int]) -> float:
+        if settings is None:
+            return 1.0
+        reference = self._nll(index, None, reply)
+        return min(1.0, math.exp(reference - self._nll(index, settings, reply)))
+
+    def _nll(self, index: int, settings: str | None, reply: list[int]) -> float:
+        """Mean negative log-likelihood of `reply` after the request's prompt, under `settings`
+        (a KVSettings spec, None: full), through the library cache."""
+        key = (index, settings or "full")
+        if key not in self._replays:
+            from kvwise.hf.cache import KVWiseCache
+
+            kv = KVSettings.from_mix(settings.split("|")[0]) if settings else None
+            kwargs = {}
+            if kv is not None:
+                cap = int(settings.split("|max=")[1]) if "|max=" in settings else kv.max_kv_tokens
+                kwargs = dict(compression_ratio=kv.ratio, max_kv_tokens=cap, quant=kv.quant, **kv.options)
+            cache = KVWiseCache(self.model, kv.policy if kv is not None else "full", tokenizer=self.tokenizer, **kwargs)
+            prompt = torch.tensor([self.requests[index].prompt], device=self.model.device)
+            answer = torch.tensor([reply], device=self.model.device)
+            cache.compress_context(prompt[:, :-1])
+            inputs = torch.cat([prompt[:, -1:], answer[:, :-1]], dim=1)
+            log_probs = torch.log_softmax(
+                self.model(input_ids=inputs, cache=cache, use_cache=True).logits[0].float(), -1
+            )
+            self._replays[key] = -float(log_probs.gather(1, answer[0, :, None]).mean())
+        return self._replays[key]
+
+
+def _settings_spec(kv: KVSettings | None) -> str | None:
+    return None if kv is None else kv.spec
+
+
+def _agreement(tokens: list[int], reference: list[int]) -> float:
+    compared = reference[:AGREEMENT_TOKENS]
+    return sum(a == b for a, b in zip(tokens, compared)) / max(1, len(compared))
+
+
+def _mean(values) -> float:
+    values = [float(v) for v in values]
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _summary(row: dict) -> dict:
+    return {key: value for key, value in row.items() if key not in ("requests", "key")}
+
+
+# ---- report ------------------------------------------------------------------------------------
+def aggregate(results: list[dict]) -> list[dict]:
+    """One row per (budget, system): means over repeats, with the spread (max - min) / mean."""
+    groups: dict[tuple, list[dict]] = {}
+    for row in results:
+        groups.setdefault((row["budget"], row["system"]), []).append(row)
+    merged = []
+    for (budget, system), rows in groups.items():
+        mean = {
+            key: _mean(r[key] for r in rows)
+            for key in (
+                "quality",
+                "tokens_per_second",
+                "retrieval_accuracy",
+                "ttft_p50_s",
+                "ttft_p99_s",
+                "preemptions",
+                "peak_kv_bytes",
+                "compressed_requests",
+            )
+        }
+        classes = {k: _mean(r["class_quality"][k] for r in rows) for k in CLASSES}
+        spread = {
+            key: (max(r[key] for r in rows) - min(r[key] for r in rows)) / mean[key] if mean[key] else 0.0
+            for key in ("quality", "tokens_per_second")
+        }
+        actions: dict[str, int] = {}
+        for r in rows:
+            for name, count in r["actions"].items():
+                actions[name] = actions.get(name, 0) + count
+        merged.append(
+            {
+                "budget": budget,
+                "system": system,
+                "repeats": len(rows),
+                **mean,
+                "class_quality": classes,
+                "spread": spread,
+                "actions": actions,
+                "budget_bytes": rows[0]["budget_bytes"],
+                "full_retrieval_accuracy": rows[0]["full_retrieval_accuracy"],
+            }
+        )
+    return merged
+
+
+def markdown(report: dict) -> str:
+    config = report["config"]
+    workload = config["workload"]
+    lines = [
+        f"Adaptive KV, {workload['requests']} requests (retrieval/chat/short/long "
+        f"{'/'.join(str(p) for p in workload['proportions'])}), seed {workload['seed']}, "
+        f"haystack {workload['haystack_dir'] or 'built-in essays (bench part)'}, rate {report['rate']:.3f} req/s "
+        f"({report['rate_source']}), peak full-cache demand {report['peak_demand_bytes']:,} bytes, "
+        f"auto's floor {config['quality']}, model={config['model'] or 'SmolLM2-135M-Instruct'}",
+        f"system: kvwise {report['system']['kvwise']}, {report['system']['device']} ({report['system']['hardware']})",
+        "",
+    ]
+    merged = aggregate(report["results"])
+    for budget in dict.fromkeys(row["budget"] for row in merged):
+        rows = [row for row in merged if row["budget"] == budget]
+        full = next((row for row in rows if row["system"] == "full"), None)
+        lines += [
+            f"Budget {budget} of peak demand ({rows[0]['budget_bytes']:,} bytes):",
+            "",
+            "| system | quality | retrieval | chat | short | long gen | retrieval acc | output tok/s | vs full | "
+            "TTFT p50 / p99 (s) | preemptions | peak KV bytes | compressed | spread q / tps | actions |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for row in rows:
+            c = row["class_quality"]
+            versus = f"{row['tokens_per_second'] / full['tokens_per_second']:.2f}x" if full else ""
+            actions = ", ".join(f"{k} {v}" for k, v in sorted(row["actions"].items())) or "-"
+            lines.append(
+                f"| {row['system']} | {row['quality']:.3f} | {c['retrieval']:.3f} | {c['chat']:.3f} | "
+                f"{c['short']:.3f} | {c['long_generation']:.3f} | {row['retrieval_accuracy']:.2f} "
+                f"(full {row['full_retrieval_accuracy']:.2f}) | {row['tokens_per_second']:.2f} | {versus} | "
+                f"{row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f} | {row['preemptions']:.0f} | "
+                f"{row['peak_kv_bytes']:,.0f} | {row['compressed_requests']:.0f} | "
+                f"{row['spread']['quality']:.3f} / {row['spread']['tokens_per_second']:.3f} | {actions} |"
+            )
+        lines.append("")
+    return "\n".join(lines)
+
+
+def plot(report: dict, path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        log.warning("matplotlib is not installed (the [bench] extra): no plot")
+        return
+    merged = aggregate(report["results"])
+    budgets = list(dict.fromkeys(row["budget"] for row in merged))
+    figure, axes = plt.subplots(1, len(budgets), figsize=(6 * len(budgets), 4.5), squeeze=False)
+    for axis, budget in zip(axes[0], budgets):
+        rows = [row for row in merged if row["budget"] == budget]
+        for row in rows:
+            color = "tab:red" if row["system"] == "auto" else ("black" if row["system"] == "full" else "tab:blue")
+            axis.scatter(row["tokens_per_second"], row["quality"], color=color, s=30)
+            axis.annotate(
+                row["system"],
+                (row["tokens_per_second"], row["quality"]),
+                fontsize=8,
+                xytext=(3, 3),
+                textcoords="offset points",
+            )
+        axis.set_title(f"budget {budget} of peak demand")
+        axis.set_xlabel("output tokens/s")
+        axis.set_ylabel("quality vs full at unlimited memory")
+        axis.grid(alpha=0.3)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)

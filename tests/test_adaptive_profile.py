@@ -1,0 +1,124 @@
+"""`kvwise calibrate` on a tiny model with a character tokenizer and the user's own documents:
+a profile keyed by the weights, with a front per class, that resumes after an interruption; and
+how a model's profile is found (or refused, naming the command)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import kvwise.adaptive.calibrate as calibrate
+from kvwise.adaptive.calibrate import CalibrateConfig, run_calibrate
+from kvwise.adaptive.profile import CLASSES, Profile, find_profile, require_profile
+from kvwise.hf.fingerprint import weights_fingerprint
+from kvwise.models import load_model
+from tests.tiny_chars_model import save_tiny_llama
+
+pytestmark = pytest.mark.timeout(300)
+
+LENGTHS = {"retrieval": (60, 120), "chat": (40, 80), "long_generation": (20, 40)}
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly hum old songs ".split()
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    directory = save_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    return load_model(str(directory), device="cpu")
+
+
+@pytest.fixture
+def documents(tmp_path):
+    folder = tmp_path / "docs"
+    folder.mkdir()
+    for index in range(3):
+        text = " ".join(WORDS[(index * 7 + n * 3) % len(WORDS)] for n in range(400))
+        (folder / f"doc{index}.txt").write_text(text)
+    return folder
+
+
+def _config(documents, **overrides):
+    settings = dict(
+        data=str(documents),
+        mixes=("full", "kivi4", "snapkv@0.5"),
+        probes={"retrieval": 2, "chat": 1, "long_generation": 1},
+        probe_lengths=LENGTHS,
+    )
+    return CalibrateConfig(**{**settings, **overrides})
+
+
+def test_calibrate_writes_a_profile_keyed_by_the_weights(tiny, documents, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVWISE_HOME", str(tmp_path / "home"))
+    path = run_calibrate(_config(documents), tmp_path / "out", model=tiny)
+    fingerprint = weights_fingerprint(tiny[0])
+    assert path.name == f"{fingerprint}.json"
+    profile = Profile.load(path)
+    assert profile.fingerprint == fingerprint and profile.data.startswith("3 documents")
+    assert [entry.mix for entry in profile.mixes] == ["full", "kivi4", "snapkv@0.5"]
+    full = profile.get("full")
+    assert full.bytes_fraction == 1.0 and all(full.quality[klass] == 1.0 for klass in CLASSES)
+    kivi4, snapkv = profile.get("kivi4"), profile.get("snapkv@0.5")
+    assert kivi4.bytes_fraction < 0.5  # 4-bit codes of float32 values
+    assert 0.45 < snapkv.bytes_fraction < 0.55
+    for klass in CLASSES:
+        front = profile.front(klass)
+        assert front[-1].quality[klass] == 1.0  # nothing beats full's quality; something is cheaper on the front
+        assert [e.bytes_fraction for e in front] == sorted(e.bytes_fraction for e in front)
+        assert all(0.0 <= entry.quality[klass] <= 1.0 for entry in profile.mixes)
+    table = path.with_suffix(".md").read_text()
+    assert "| snapkv@0.5 |" in table and "on the front of" in table
+    assert not (path.parent / f"{fingerprint}.partial.jsonl").exists()
+    # the user's profile directory is where auto looks first
+    assert find_profile(fingerprint, path).fingerprint == fingerprint
+
+
+def test_an_interrupted_calibration_resumes(tiny, documents, tmp_path, monkeypatch):
+    measured, real = [], calibrate.measure_probe
+
+    def failing_after_five(*args):
+        if len(measured) == 5:
+            raise KeyboardInterrupt
+        measured.append(args[2].spec)
+        return real(*args)
+
+    monkeypatch.setattr(calibrate, "measure_probe", failing_after_five)
+    with pytest.raises(KeyboardInterrupt):
+        run_calibrate(_config(documents), tmp_path, model=tiny)
+    measured.clear()
+    monkeypatch.setattr(calibrate, "measure_probe", lambda *args: measured.append(args[2].spec) or real(*args))
+    run_calibrate(_config(documents), tmp_path, model=tiny)
+    assert len(measured) == 3 * 4 - 5  # only what the first run had not measured
+
+
+def test_a_budget_in_minutes_stops_starting_mixes(tiny, documents, tmp_path, monkeypatch):
+    clock = iter(range(0, 10_000, 100))  # each reading of the clock: 100 s later
+    monkeypatch.setattr(calibrate.time, "monotonic", lambda: next(clock))
+    path = run_calibrate(_config(documents, budget_minutes=1), tmp_path, model=tiny)
+    assert [entry.mix for entry in Profile.load(path).mixes] == ["full"]
+
+
+def test_profiles_are_found_by_fingerprint_or_refused_by_name(tiny, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVWISE_HOME", str(tmp_path))
+    model = tiny[0]
+    with pytest.raises(ValueError, match="kvwise calibrate"):
+        require_profile(model)
+    other = tmp_path / "other.json"
+    fields = {"mix": "full", "bytes_fraction": 1.0, "extra_seconds_per_token": 0.0}
+    profile = {"model": "m", "fingerprint": "f" * 32, "full_bytes_per_token": 4, "format": 1}
+    other.write_text(json.dumps({**profile, "mixes": [{**fields, "quality": dict.fromkeys(CLASSES, 1.0)}]}))
+    with pytest.raises(ValueError, match="calibrated on other weights"):
+        require_profile(model, other)
+    other.write_text("{not json")
+    with pytest.raises(ValueError, match="cannot read the profile"):
+        require_profile(model, other)
+
+
+def test_bad_calibration_options_are_refused(documents):
+    with pytest.raises(ValueError, match="unknown component 'zip@3'"):
+        CalibrateConfig(mixes=("full", "zip@3"))
+    with pytest.raises(ValueError, match="--budget-minutes must be positive"):
+        CalibrateConfig(budget_minutes=0)
+    with pytest.raises(ValueError, match="no .txt or .md files"):
+        from kvwise.adaptive.probes import calibration_text
+
+        calibration_text(documents.parent / "empty" if (documents.parent / "empty").mkdir() is None else None)

@@ -21,7 +21,7 @@ from tqdm import tqdm
 
 from kvwise.adaptive.probes import AGREEMENT_TOKENS, Probe, calibration_text, make_probes
 from kvwise.adaptive.profile import CLASSES, MixProfile, Profile, user_profile_path
-from kvwise.bench.partial import read_partial
+from kvwise.core.partial import read_partial
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.fingerprint import weights_fingerprint
 from kvwise.hf.generation import greedy_continue

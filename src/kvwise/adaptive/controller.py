@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from kvwise.adaptive.decisions import Choice, Decisions
 from kvwise.adaptive.profile import MixProfile, Profile, check_class
-from kvwise.adaptive.request_class import classify
+from kvwise.adaptive.request_class import check_hint, classify
 from kvwise.engine.block_table import Place
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.policies.mix import parse_mix
@@ -75,6 +75,11 @@ class AdaptiveController:
         """Serve `engine` (an EngineCore): its scheduler asks before each admission."""
         self.engine = engine
         engine.scheduler.on_admitting.append(self.admit)
+
+    @staticmethod
+    def check_hint(hint: str) -> None:
+        """ValueError for a class hint the controller does not know (the engine asks, per request)."""
+        check_hint(hint)
 
     # ---- admission -----------------------------------------------------------------------------
     def admit(self, request) -> None:

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from kvwise.bench.haystack import split_essays
+from kvwise.core.essays import split_essays
 from kvwise.hf.chat_template import bos_ids, has_chat_template, render_chat
 
 NEEDLE = "\nThe access code for the archive is {key}.\n"

@@ -24,12 +24,12 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvwise.adaptive.budget import POOL_SHARE, SWAP_SHARE, cache_config_for_budget, token_bytes
 from kvwise.bench.adaptive_workload import CLASSES, WorkloadRequest, WorkloadSpec, at_rate, build_workload
 from kvwise.bench.environment import system_info
-from kvwise.bench.partial import read_partial
 from kvwise.bench.stats import percentile
+from kvwise.core.partial import read_partial
 from kvwise.engine.config import CacheConfig
+from kvwise.engine.kv_budget import POOL_SHARE, SWAP_SHARE, cache_config_for_budget, token_bytes
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 

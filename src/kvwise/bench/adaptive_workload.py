@@ -16,7 +16,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvwise.bench.haystack import read_haystack, split_essays
+from kvwise.core.essays import read_haystack, split_essays
 from kvwise.hf.chat_template import bos_ids, has_chat_template, render_chat
 
 CLASSES = ("retrieval", "chat", "short", "long_generation")

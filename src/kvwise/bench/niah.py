@@ -23,7 +23,7 @@ from kvwise.bench.haystack import (
     read_haystack,
     trial_grid,
 )
-from kvwise.bench.partial import read_partial
+from kvwise.core.partial import read_partial
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.generation import greedy_continue
 from kvwise.kv.quantizer import make_quantizer

@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwise.adaptive.request_class import check_hint
 from kvwise.core.secret_keys import namespace_key as default_namespace_key
 from kvwise.engine.compaction import Compaction
 from kvwise.engine.config import CacheConfig
@@ -173,8 +172,9 @@ class EngineCore:
         compression. Default: the whole prompt when its prefill ends."""
         self.check_fits(len(token_ids), params.max_tokens)
         if kv_auto is not None:
-            check_hint(kv_auto)
-            if self.controller is None:
+            if self.controller is not None:
+                self.controller.check_hint(kv_auto)
+            else:
                 raise ValueError("an auto KV mix needs the adaptive controller: LLM(kv='auto'), serve --kv-policy auto")
         if compress_upto is not None:
             if kv_auto is None and (kv is None or kv.ratio <= 0 or not kv.evicts):

@@ -18,6 +18,7 @@ from tqdm import tqdm
 
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import CompletionOutput, EngineCore
+from kvwise.engine.kv_budget import cache_config_for_budget
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.chat_template import load_chat_template, render_chat
@@ -62,14 +63,12 @@ class LLM:
         if kv not in (None, "auto"):
             raise ValueError(f"kv must be None or 'auto', got {kv!r} (per-prompt settings go to generate(kv=...))")
         controller = None
-        if kv == "auto":
+        if kv == "auto":  # the offline API's one reach above the engine: it builds the controller asked for
             from kvwise.adaptive.controller import AdaptiveConfig, AdaptiveController
             from kvwise.adaptive.profile import require_profile
 
             controller = AdaptiveController(require_profile(model, kv_profile_path), AdaptiveConfig(kv_quality))
         if kv_budget_bytes is not None:
-            from kvwise.adaptive.budget import cache_config_for_budget
-
             cache_config = cache_config_for_budget(model, kv_budget_bytes, cache_config)
         self.engine = EngineCore(model, tokenizer, cache_config, tiers)
         if controller is not None:

@@ -163,7 +163,7 @@ def build_app(args):
     model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
     name = args.served_model_name or (EMBEDDED_NAME if args.model is None else Path(args.model.rstrip("/")).name)
     if args.kv_budget_gb is not None:
-        from kvwise.adaptive.budget import cache_config_for_budget
+        from kvwise.engine.kv_budget import cache_config_for_budget
 
         cache = cache_config_for_budget(model, int(args.kv_budget_gb * (1 << 30)), cache)
     controller = adaptive_controller(args, adaptive, model, tokenizer) if adaptive is not None else None

@@ -1,4 +1,4 @@
-"""Resumable benches: rows stream to `NAME.partial.jsonl` (a config header, then one row a line)."""
+"""Resumable runs (benches, calibration): rows stream to `NAME.partial.jsonl` (a config header, then one row a line)."""
 
 from __future__ import annotations
 

@@ -112,7 +112,7 @@ def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool
         partial.write_text(json.dumps({"config": header}) + "\n")
         done = {}
     started, rows = time.monotonic(), dict(done)
-    name = getattr(model.config, "_name_or_path", None) or type(model).__name__
+    name = Path(getattr(model.config, "_name_or_path", None) or type(model).__name__).name
     with open(partial, "a") as sink, tqdm(total=len(config.mixes) * len(probes), desc="calibrate", unit="probe") as bar:
         for mix in config.mixes:
             if mix != "full" and config.budget_minutes and time.monotonic() - started > 60 * config.budget_minutes:

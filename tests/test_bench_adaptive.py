@@ -1,0 +1,86 @@
+"""`kvwise bench adaptive`: the workload (classes, disjoint from the calibration essays, seeded
+arrivals), the report from its rows, and one small end-to-end run on the embedded model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvwise.adaptive.probes import calibration_text
+from kvwise.bench.adaptive import AdaptiveBenchConfig, aggregate, markdown, run_adaptive_bench
+from kvwise.bench.adaptive_workload import CLASSES, WorkloadSpec, at_rate, build_workload
+from kvwise.core.essays import split_essays
+
+pytestmark = [pytest.mark.timeout(600)]
+
+
+def test_the_bench_text_and_the_calibration_text_are_disjoint():
+    bench, calibration = split_essays()
+    assert calibration == calibration_text()[0]
+    sample = calibration[1000:1200]
+    assert sample not in bench and bench[5000:5200] not in calibration
+
+
+@pytest.mark.smollm
+def test_the_workload_is_seeded_and_mixed(smollm):
+    _, tokenizer = smollm
+    spec = WorkloadSpec(requests=20, retrieval_tokens=(300, 400), chat_tokens=(300, 400))
+    first, again = build_workload(tokenizer, spec), build_workload(tokenizer, spec)
+    assert [r.prompt for r in first] == [r.prompt for r in again]
+    counts = {klass: sum(r.klass == klass for r in first) for klass in CLASSES}
+    assert counts == {"retrieval": 8, "chat": 6, "short": 4, "long_generation": 2}
+    for request in first:
+        if request.klass == "retrieval":
+            assert request.answer in tokenizer.decode(request.prompt)
+    other = build_workload(tokenizer, WorkloadSpec(requests=20, seed=1, retrieval_tokens=(300, 400)))
+    assert [r.prompt for r in other] != [r.prompt for r in first]
+    arrivals = at_rate(first, 2.0)
+    assert arrivals == sorted(arrivals) and arrivals[-1] == pytest.approx(first[-1].arrival / 2)
+    with pytest.raises(ValueError, match="four non-negative proportions"):
+        WorkloadSpec(proportions=(1.0, 0.0))
+
+
+def _row(system, quality, tps, budget=0.3, repeat=0):
+    classes = dict.fromkeys(CLASSES, quality)
+    return {
+        "system": system, "budget": budget, "repeat": repeat, "quality": quality, "tokens_per_second": tps,
+        "retrieval_accuracy": 1.0, "full_retrieval_accuracy": 1.0, "ttft_p50_s": 1.0, "ttft_p99_s": 2.0,
+        "preemptions": 0, "peak_kv_bytes": 100, "compressed_requests": 1, "class_quality": classes,
+        "actions": {"choose:spare": 2}, "budget_bytes": 1000,
+    }  # fmt: skip
+
+
+def test_repeats_give_means_and_a_spread():
+    merged = aggregate([_row("auto", 0.99, 10.0), _row("auto", 0.97, 12.0, repeat=1), _row("full", 1.0, 5.0)])
+    auto = next(row for row in merged if row["system"] == "auto")
+    assert auto["quality"] == pytest.approx(0.98) and auto["tokens_per_second"] == pytest.approx(11.0)
+    assert auto["spread"]["tokens_per_second"] == pytest.approx(2.0 / 11.0)
+    assert auto["actions"] == {"choose:spare": 4}
+    report = {
+        "config": {"workload": {"requests": 3, "proportions": [0.4, 0.3, 0.2, 0.1], "seed": 0, "haystack_dir": None},
+                   "quality": 0.98, "model": None},
+        "system": {"kvwise": "0", "device": "cpu", "hardware": "x"},
+        "rate": 1.0, "rate_source": "given", "peak_demand_bytes": 1000,
+        "results": [_row("auto", 0.99, 10.0), _row("full", 1.0, 5.0)],
+    }  # fmt: skip
+    table = markdown(report)
+    assert "| auto | 0.990 |" in table and "| 2.00x |" in table
+
+
+@pytest.mark.smollm
+def test_a_small_run_end_to_end(tmp_path):
+    spec = WorkloadSpec(
+        requests=5, retrieval_tokens=(300, 400), chat_tokens=(300, 400), long_prompt_tokens=(50, 80),
+        long_output_tokens=40, proportions=(0.4, 0.2, 0.2, 0.2),
+    )  # fmt: skip
+    config = AdaptiveBenchConfig(workload=spec, systems=("full", "kivi4", "auto"), budgets=(0.5,), rate=5.0)
+    report = run_adaptive_bench(config, tmp_path)
+    rows = {row["system"]: row for row in report["results"]}
+    assert rows["full"]["quality"] == 1.0  # full under a budget computes what full computes unlimited
+    assert rows["kivi4"]["compressed_requests"] == 5
+    assert 0 < rows["kivi4"]["quality"] <= 1 and 0 < rows["auto"]["quality"] <= 1
+    assert all(row["tokens_per_second"] > 0 and row["peak_kv_bytes"] > 0 for row in rows.values())
+    assert rows["auto"]["actions"]  # every decision is counted
+    saved = json.loads((tmp_path / "adaptive.json").read_text())
+    assert saved["rate"] == 5.0 and (tmp_path / "adaptive.md").exists() and (tmp_path / "adaptive.png").exists()

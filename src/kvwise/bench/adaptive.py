@@ -120,7 +120,7 @@ def run_adaptive_bench(config: AdaptiveBenchConfig, out_dir: Path, resume: bool 
     (out_dir / "adaptive.json").write_text(json.dumps(report, indent=1))
     (out_dir / "adaptive.md").write_text(markdown(report))
     plot(report, out_dir / "adaptive.png")
-    partial.unlink()
+    # the runs stay in the partial file: a later call with more systems, budgets or repeats reuses them
     return report
 
 

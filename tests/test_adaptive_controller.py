@@ -179,3 +179,37 @@ def test_auto_without_a_controller_is_refused(llama):
     core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=32))
     with pytest.raises(ValueError, match="needs the adaptive controller"):
         core.make_request([5, 6, 7], SamplingParams(max_tokens=2), kv_auto="auto")
+
+
+def test_llm_auto_uses_the_profile_and_a_budget(llama, tmp_path):
+    from kvwise.engine.llm import LLM
+    from kvwise.hf.fingerprint import weights_fingerprint
+
+    profile = _profile()
+    profile.fingerprint = weights_fingerprint(llama)
+    path = profile.save(tmp_path / "profile.json")
+    llm = LLM(llama, CacheConfig(block_size=4), kv="auto", kv_budget_bytes=1 << 20, kv_profile_path=str(path))
+    token_bytes = 2 * 3 * 2 * 16 * 4  # layers x kv heads x head size x float32, keys and values
+    assert llm.cache_config.num_blocks == int((1 << 20) * 0.7) // (token_bytes * 4)
+    prompts = [random_ids(1, 60, seed=s)[0].tolist() for s in range(2)]
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert all(output.requests[0].kv_choice.klass == "chat" for output in outputs)
+    explicit = llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False, kv=KVSettings("snapkv", 0.5))
+    assert explicit[0].requests[0].kv_choice is None  # its own settings win
+    with pytest.raises(ValueError, match="kv must be None or 'auto'"):
+        LLM(llama, kv="snapkv")
+    with pytest.raises(ValueError, match="fewer than the longest request"):
+        LLM(llama, kv_budget_bytes=1000)
+
+
+def test_a_kvzip_pass_that_cannot_borrow_now_waits_instead_of_failing(llama):
+    core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=40, prefix_caching=False, swap_space_bytes=0))
+    params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    holder = core.make_request(random_ids(1, 80, seed=1)[0].tolist(), params)  # holds 28 of the 40 blocks at the end
+    core.add(holder)
+    for _ in range(3):
+        core.step()
+    compressing = core.make_request(random_ids(1, 40, seed=2)[0].tolist(), params, kv=KVSettings("kvzip", 0.5))
+    _run(core, [compressing])  # its pass needs ~20 blocks more than its own: more than the pool has free
+    assert compressing.error is None and len(compressing.output) == 30 and holder.error is None
+    assert compressing.preemptions >= 1  # it went back to the queue and was computed again

@@ -162,9 +162,9 @@ class _Bench:
             core.attach_controller(AdaptiveController(self.profile, AdaptiveConfig(self.config.quality)))
         engine_requests = [self._request(core, system, request) for request in self.requests]
         started, peak = self._drive(core, engine_requests, arrivals, bar)
-        finished = max(r.finish_time for r in engine_requests)
+        finished = max(r.finish_time or time.monotonic() for r in engine_requests)
         outputs = sum(len(r.output) for r in engine_requests)
-        ttfts = [r.first_token_time - r.arrival for r in engine_requests]
+        ttfts = [r.first_token_time - r.arrival for r in engine_requests if r.first_token_time is not None]
         controller = core.controller
         return {
             "budget_bytes": budget,
@@ -175,6 +175,7 @@ class _Bench:
             "ttft_p50_s": percentile(ttfts, 0.5),
             "ttft_p99_s": percentile(ttfts, 0.99),
             "preemptions": core.scheduler.preemptions,
+            "failed": sum(r.error is not None for r in engine_requests),
             "peak_kv_bytes": peak,
             "actions": {f"{a}:{r}": n for (a, r), n in controller.decisions.counts.items()} if controller else {},
             "freed_bytes": dict(controller.decisions.bytes_freed) if controller else {},

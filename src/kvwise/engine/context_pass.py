@@ -98,6 +98,11 @@ class ReconstructionPass:
         compaction.scores[layer] = scores if previous is None else torch.maximum(previous, scores)
 
 
+class PassDeferred(MemoryError):
+    """The pool cannot lend a reconstruction pass's blocks now, though it could once others finish:
+    the request is recomputed later instead of failing."""
+
+
 @dataclass
 class PassChunk(Chunk):
     """A chunk of a reconstruction pass: computed like a prefill chunk, sampled never."""
@@ -111,7 +116,7 @@ class PassChunk(Chunk):
 
 def start_pass(compaction: Compaction, kv, tokenizer) -> ReconstructionPass:
     """The pass for `compaction`, with its blocks borrowed from the pool (`kv.can_borrow` first);
-    raises MemoryError when the pool cannot hold it."""
+    raises PassDeferred when the blocks are in use now, MemoryError when the pool could never hold it."""
     request, block_size = compaction.request, kv.block_size
     device = kv.storage.keys[0].device
     policy = copy.copy(compaction.policy)
@@ -119,6 +124,8 @@ def start_pass(compaction: Compaction, kv, tokenizer) -> ReconstructionPass:
     pass_ids = policy.context_pass_inputs(context, None, tokenizer)[0][0].tolist()
     start = compaction.end - request.kv_offset  # KV index of the first pass token
     needed = max(0, -(-(start + len(pass_ids)) // block_size) - len(request.blocks))
+    if needed and needed + len(request.blocks) <= kv.pool.num_blocks and not kv.can_borrow(needed):
+        raise PassDeferred(f"the pass of {request.request_id} waits for {needed} free blocks")
     if needed and not kv.can_borrow(needed):
         raise MemoryError(
             f"the KV pool cannot hold KVzip's reconstruction pass of {len(pass_ids)} tokens for "

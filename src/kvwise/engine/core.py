@@ -18,11 +18,11 @@ import torch
 from kvwise.core.secret_keys import namespace_key as default_namespace_key
 from kvwise.engine.compaction import Compaction
 from kvwise.engine.config import CacheConfig
-from kvwise.engine.context_pass import PassChunk, start_pass
+from kvwise.engine.context_pass import PassChunk, PassDeferred, start_pass
 from kvwise.engine.detokenizer import IncrementalText
 from kvwise.engine.kv_manager import KVCacheManager
 from kvwise.engine.kv_settings import KVSettings
-from kvwise.engine.request import Request
+from kvwise.engine.request import Request, Status
 from kvwise.engine.runner import ForwardOutput, ModelRunner
 from kvwise.engine.sampling import SamplingParams, find_stop, sample
 from kvwise.engine.scheduler import Scheduler
@@ -233,6 +233,10 @@ class EngineCore:
         if self.logits_observer is not None:
             self.logits_observer(chunks, logits)
         failed += self._settle_memory(output, passes, failed)
+        requeued = [index for index, chunk in enumerate(chunks) if chunk.request.status is Status.WAITING]
+        if requeued:  # back in the queue to be computed again: nothing is sampled after its chunk now
+            rows = [index for index in range(len(chunks)) if index not in requeued]
+            chunks, logits = [chunks[index] for index in rows], logits[rows]
         events = self._postprocess(chunks, logits, failed)
         record.tier_seconds = self.kv.prefix_stats.seconds_in_tiers - tier_seconds
         return events
@@ -261,6 +265,10 @@ class EngineCore:
                     compaction.request.reconstruction = start_pass(compaction, self.kv, self.tokenizer)
                 else:
                     self.kv.apply_compaction(compaction.request, compaction)
+            except PassDeferred:
+                # other requests hold the blocks the pass needs: compute this one again later (its
+                # output so far is kept), as a preemption would, instead of failing it
+                self.scheduler.requeue_for_recompute(compaction.request)
             except Exception as error:  # noqa: BLE001 - that request alone fails
                 errors.append((compaction.request, error))
         self.kv.record_peak()  # borrowed blocks included

@@ -285,6 +285,18 @@ class Scheduler:
         step.decodes = [chunk for chunk in step.decodes if chunk.owner is not request]
         step.prefills = [chunk for chunk in step.prefills if chunk.owner is not request]
 
+    def requeue_for_recompute(self, request: Request) -> None:
+        """Release a running request's KV and put it first in the queue, to be computed again (after
+        a step, when memory it needs for more than a moment is held by others)."""
+        if request in self.running:
+            self.running.remove(request)
+        self.kv.free(request, recompute=True)
+        self._reset_for_recompute(request)
+        request.status = Status.WAITING
+        request.preemptions += 1
+        self.preemptions += 1
+        self.waiting.appendleft(request)
+
     def _swap_in(self, request: Request) -> bool:
         """False when its blocks cannot be had yet; True when it left the swap: running again, or
         (the copy failed) waiting to be recomputed."""

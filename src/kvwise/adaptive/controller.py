@@ -4,7 +4,7 @@ At admission (the scheduler asks it before the request's prefix is matched), a r
 for `auto` gets, for its class (`request_class`):
 - an operator's pinned mix for that class, if any;
 - `full` when its prompt is short (nothing worth saving) or memory is to spare: the pool, the
-  running requests' growth and the queue's full demand fit under the high watermark;
+  running requests' growth and its own full KV fit under the high watermark;
 - otherwise the cheapest mix, in bytes, whose profiled quality meets the floor (`Profile.cheapest`),
   among the quantizers the server allows.
 
@@ -121,8 +121,10 @@ class AdaptiveController:
         return quant.split(":")[0] in self.config.allowed_quants
 
     def _memory_to_spare(self, request) -> bool:
-        """The pool holds what is used, what running requests may still grow by, and the full KV
-        of everyone waiting (this request included), under the high watermark."""
+        """The pool holds what is used, what running requests may still grow by, and this request's
+        full KV, under the high watermark. The rest of the queue is not counted: it is admitted as
+        memory frees, and on a machine where compute, not memory, bounds throughput, compressing
+        for a queue would only cost time and quality."""
         kv, scheduler = self.engine.kv, self.engine.scheduler
         size = kv.pool.block_size
 
@@ -130,8 +132,7 @@ class AdaptiveController:
             return -(-max(0, tokens) // size)
 
         growth = sum(blocks(r.params.max_tokens - len(r.output)) for r in scheduler.running)
-        queued = sum(blocks(len(r.prompt) + r.params.max_tokens) for r in scheduler.waiting if r is not request)
-        demand = kv.pool.stats().used + growth + queued + blocks(len(request.prompt) + request.params.max_tokens)
+        demand = kv.pool.stats().used + growth + blocks(len(request.prompt) + request.params.max_tokens)
         return demand <= self.config.high_watermark * kv.pool.num_blocks
 
     # ---- pressure ------------------------------------------------------------------------------

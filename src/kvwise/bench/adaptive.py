@@ -72,6 +72,7 @@ def run_adaptive_bench(config: AdaptiveBenchConfig, out_dir: Path, resume: bool 
     requests = build_workload(tokenizer, config.workload)
     out_dir.mkdir(parents=True, exist_ok=True)
     header = {key: value for key, value in asdict(config).items() if key not in ("systems", "budgets", "repeats")}
+    header = json.loads(json.dumps(header))  # as it reads back (tuples become lists)
     partial = out_dir / "adaptive.partial.jsonl"
     done = read_partial(partial, lambda saved: saved == header, lambda row: row["key"])
     if not resume or not done:

@@ -82,5 +82,7 @@ def test_a_small_run_end_to_end(tmp_path):
     assert 0 < rows["kivi4"]["quality"] <= 1 and 0 < rows["auto"]["quality"] <= 1
     assert all(row["tokens_per_second"] > 0 and row["peak_kv_bytes"] > 0 for row in rows.values())
     assert rows["auto"]["actions"]  # every decision is counted
+    again = run_adaptive_bench(config, tmp_path)  # every run is read back, none repeated
+    assert [row["wall_seconds"] for row in again["results"]] == [row["wall_seconds"] for row in report["results"]]
     saved = json.loads((tmp_path / "adaptive.json").read_text())
     assert saved["rate"] == 5.0 and (tmp_path / "adaptive.md").exists() and (tmp_path / "adaptive.png").exists()

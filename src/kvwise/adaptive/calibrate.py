@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvwise.adaptive.probes import AGREEMENT_TOKENS, Probe, calibration_text, make_probes
+from kvwise.adaptive.probes import AGREEMENT_TOKENS, Probe, agreement, calibration_text, make_probes
 from kvwise.adaptive.profile import CLASSES, MixProfile, Profile, user_profile_path
 from kvwise.core.partial import read_partial
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
@@ -215,14 +215,8 @@ def _class_quality(klass: str, rows: list[dict], full: list[dict]) -> tuple[floa
             "ppl": round(ppl, 3),
             "ppl_ratio": round(_mean(ratios), 4),
         }
-    agreement = _mean(_agreement(r["tokens"], f["tokens"]) for r, f in zip(rows, full))
+    agreement = _mean(agreement(r["tokens"], f["tokens"]) for r, f in zip(rows, full))
     return round(agreement, 4), {"probes": len(rows), "agreement": round(agreement, 4)}
-
-
-def _agreement(tokens: list[int], reference: list[int]) -> float:
-    """1 when the first tokens equal the reference's, else the fraction of positions that match."""
-    compared = reference[:AGREEMENT_TOKENS]
-    return sum(a == b for a, b in zip(tokens, compared)) / max(1, len(compared))
 
 
 def _mean(values) -> float:

@@ -112,3 +112,10 @@ def _instruction(tokenizer, passage: list[int]) -> list[int]:
     if has_chat_template(tokenizer):
         return tokenizer(render_chat(tokenizer, [{"role": "user", "content": ask}]), add_special_tokens=False).input_ids
     return bos_ids(tokenizer) + tokenizer(ask, add_special_tokens=False).input_ids
+
+
+def agreement(tokens: list[int], reference: list[int]) -> float:
+    """1 when the first AGREEMENT_TOKENS tokens equal the reference's, else the fraction of those
+    positions that match."""
+    compared = reference[:AGREEMENT_TOKENS]
+    return sum(a == b for a, b in zip(tokens, compared)) / max(1, len(compared))

@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvwise.adaptive.probes import AGREEMENT_TOKENS, agreement
 from kvwise.bench.adaptive_workload import CLASSES, WorkloadRequest, WorkloadSpec, at_rate, build_workload
 from kvwise.bench.environment import system_info
 from kvwise.bench.stats import percentile
@@ -38,7 +39,6 @@ log = logging.getLogger("kvwise.bench")
 FIXED = ("snapkv@0.75", "streaming_llm@0.75", "kvzip@0.9", "kivi4", "kivi2", "kvzip@0.75+kivi4")
 SYSTEMS = ("full", *FIXED, "host-spill", "static", "auto")
 STATIC_TABLE = {"chat": "h2o@0.5", "long_generation": "streaming_llm@0.5", "short": "full"}  # + retrieval: profile's
-AGREEMENT_TOKENS = 32
 UNLIMITED_BYTES = 6 << 30  # the reference's pool: never full on these workloads (its preemptions are reported)
 
 
@@ -250,7 +250,7 @@ class _Bench:
                 elif request.klass == "chat":
                     per_request.append(self._chat_quality(index, outcome["settings"], full[index]["reply"]))
                 else:
-                    per_request.append(_agreement(outcome["tokens"], full[index]["tokens"]))
+                    per_request.append(agreement(outcome["tokens"], full[index]["tokens"]))
             classes = {
                 klass: _mean(q for q, r in zip(per_request, self.requests) if r.klass == klass) for klass in CLASSES
             }
@@ -307,11 +307,6 @@ class _Bench:
 
 def _settings_spec(kv: KVSettings | None) -> str | None:
     return None if kv is None else kv.spec
-
-
-def _agreement(tokens: list[int], reference: list[int]) -> float:
-    compared = reference[:AGREEMENT_TOKENS]
-    return sum(a == b for a, b in zip(tokens, compared)) / max(1, len(compared))
 
 
 def _mean(values) -> float:

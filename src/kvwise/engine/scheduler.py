@@ -273,14 +273,8 @@ class Scheduler:
     def _preempt(self, request: Request, step: Step) -> None:
         """Spill the request's KV to host memory when the swap space has room (it resumes where it
         stopped); otherwise drop it and recompute prompt and output later (the output is kept)."""
-        self.running.remove(request)
-        if not (self.kv.can_swap_out(request) and self.kv.swap_out(request)):
-            self.kv.free(request, recompute=True)
-            self._reset_for_recompute(request)
-        request.status = Status.WAITING
-        request.preemptions += 1
-        self.preemptions += 1
-        self.waiting.appendleft(request)
+        swapped = self.kv.can_swap_out(request) and self.kv.swap_out(request)
+        self._send_back(request, recompute=not swapped)
         step.preempted.append(request)
         step.decodes = [chunk for chunk in step.decodes if chunk.owner is not request]
         step.prefills = [chunk for chunk in step.prefills if chunk.owner is not request]
@@ -288,10 +282,15 @@ class Scheduler:
     def requeue_for_recompute(self, request: Request) -> None:
         """Release a running request's KV and put it first in the queue, to be computed again (after
         a step, when memory it needs for more than a moment is held by others)."""
+        self._send_back(request, recompute=True)
+
+    def _send_back(self, request: Request, recompute: bool) -> None:
+        """A running request goes first in the queue: a preemption (its KV dropped when `recompute`)."""
         if request in self.running:
             self.running.remove(request)
-        self.kv.free(request, recompute=True)
-        self._reset_for_recompute(request)
+        if recompute:
+            self.kv.free(request, recompute=True)
+            self._reset_for_recompute(request)
         request.status = Status.WAITING
         request.preemptions += 1
         self.preemptions += 1

@@ -36,6 +36,7 @@ def _profile() -> Profile:
             _entry("snapkv@0.75", 0.25, 1.0, 0.9, 0.5),
             _entry("snapkv@0.5", 0.5, 1.0, 0.985, 0.7),
             _entry("snapkv@0.9+kivi4", 0.03, 0.99, 0.5, 0.1),
+            _entry("kvzip@0.9+kivi4", 0.02, 1.0, 0.5, 0.1),  # cheapest, but its pass needs free blocks
         ],
     )
 
@@ -82,7 +83,8 @@ def _occupied(core, blocks: int) -> None:
 )
 def test_admission_picks_the_cheapest_mix_meeting_the_floor_per_class(llama, hint, expected):
     core, controller = _engine(llama, num_blocks=32, quality=0.98, steps_per_rung=10**6)  # the ladder stays put
-    _occupied(core, 14)  # 14 + 16 blocks of a request > 0.9 x 32: no memory to spare
+    # 14 + 16 blocks of a request > 0.9 x 32: no memory to spare, nor for kvzip's pass
+    _occupied(core, 14)
     request = _request(core, 60, 4, hint)
     _run(core, [request])
     choice = request.kv_choice

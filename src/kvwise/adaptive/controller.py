@@ -6,7 +6,8 @@ for `auto` gets, for its class (`request_class`):
 - `full` when its prompt is short (nothing worth saving) or memory is to spare: the pool, the
   running requests' growth and its own full KV fit under the high watermark;
 - otherwise the cheapest mix, in bytes, whose profiled quality meets the floor (`Profile.cheapest`),
-  among the quantizers the server allows.
+  among the quantizers the server allows, and, when the pool cannot lend a context pass right now,
+  among the mixes that need none.
 
 Under pressure (pool usage past the high watermark, or requests waiting past the low one) it climbs
 a ladder, one rung every `steps_per_rung` steps, and comes down the same way once usage is under the
@@ -108,11 +109,21 @@ class AdaptiveController:
             return Choice("full", klass, "short", 1.0)
         if self.level == 0 and self._memory_to_spare(request):
             return Choice("full", klass, "spare", 1.0)
-        entry = self.profile.cheapest(klass, self.config.quality, self._allowed)
+        pass_fits = self._pass_fits(request)
+        entry = self.profile.cheapest(
+            klass, self.config.quality, lambda e: self._allowed(e) and (pass_fits or not _needs_pass(e.mix))
+        )
         if request.compress_upto is not None and not parse_mix(entry.mix).evicts:
             # a document compressed once needs an evicting mix; else keep it whole
             entry = self.profile.get("full")
         return Choice(entry.mix, klass, "pressure", entry.quality[klass])
+
+    def _pass_fits(self, request) -> bool:
+        """Whether the pool has room now for a context pass (KVzip's) over this request's prompt as
+        well as the prompt: under pressure it usually does not, and a pass that cannot borrow its
+        blocks sends the request back to be computed again."""
+        pool = self.engine.kv.pool
+        return pool.stats().free * pool.block_size >= 2 * (len(request.prompt) + pool.block_size)
 
     def _allowed(self, entry: MixProfile) -> bool:
         quant = entry.quant
@@ -239,7 +250,7 @@ class AdaptiveController:
     def _best_evicting(self, klass: str) -> MixProfile | None:
         def fits(entry: MixProfile) -> bool:
             mix = parse_mix(entry.mix)
-            return mix.evicts and mix.quant is None and not make_policy(mix.policy).needs_context_pass
+            return mix.evicts and mix.quant is None and not _needs_pass(entry.mix)
 
         choices = [e for e in self.profile.mixes if fits(e) and e.quality[klass] >= self.config.quality]
         return min(choices, key=lambda e: e.bytes_fraction, default=None)
@@ -274,3 +285,9 @@ class AdaptiveController:
                 "preempt", "no blocks", freed=(recomputed - self._seen["recomputed"]) * stats.block_bytes
             )
         self._seen.update(swapped=swapped, recomputed=recomputed)
+
+
+def _needs_pass(mix: str) -> bool:
+    """Whether the mix's policy scores with a second pass over the context (KVzip)."""
+    parsed = parse_mix(mix)
+    return parsed.evicts and make_policy(parsed.policy).needs_context_pass

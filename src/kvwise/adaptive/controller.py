@@ -3,8 +3,8 @@
 At admission (the scheduler asks it before the request's prefix is matched), a request that asked
 for `auto` gets, for its class (`request_class`):
 - an operator's pinned mix for that class, if any;
-- `full` when its prompt is short (nothing worth saving) or memory is to spare: the pool, the
-  running requests' growth and its own full KV fit under the high watermark;
+- `full` when its prompt is short (nothing worth saving) or memory is to spare: what the pool
+  holds and its own full KV fit under the high watermark;
 - otherwise the cheapest mix, in bytes, whose profiled quality meets the floor (`Profile.cheapest`),
   among the quantizers the server allows, and, when the pool cannot lend a context pass right now,
   among the mixes that need none.
@@ -132,19 +132,13 @@ class AdaptiveController:
         return quant.split(":")[0] in self.config.allowed_quants
 
     def _memory_to_spare(self, request) -> bool:
-        """The pool holds what is used, what running requests may still grow by, and this request's
-        full KV, under the high watermark. The rest of the queue is not counted: it is admitted as
-        memory frees, and on a machine where compute, not memory, bounds throughput, compressing
-        for a queue would only cost time and quality."""
-        kv, scheduler = self.engine.kv, self.engine.scheduler
-        size = kv.pool.block_size
-
-        def blocks(tokens: int) -> int:
-            return -(-max(0, tokens) // size)
-
-        growth = sum(blocks(r.params.max_tokens - len(r.output)) for r in scheduler.running)
-        demand = kv.pool.stats().used + growth + blocks(len(request.prompt) + request.params.max_tokens)
-        return demand <= self.config.high_watermark * kv.pool.num_blocks
+        """The pool holds what is used and this request's full KV (prompt and output) under the
+        high watermark. Neither the queue nor running requests' future growth is counted: the queue
+        is admitted as memory frees and growth is met by the ladder, while compressing ahead of a
+        need that may not come costs time and quality now."""
+        pool = self.engine.kv.pool
+        own = -(-(len(request.prompt) + request.params.max_tokens) // pool.block_size)
+        return pool.stats().used + own <= self.config.high_watermark * pool.num_blocks
 
     # ---- pressure ------------------------------------------------------------------------------
     def before_step(self) -> None:

@@ -215,8 +215,8 @@ def _class_quality(klass: str, rows: list[dict], full: list[dict]) -> tuple[floa
             "ppl": round(ppl, 3),
             "ppl_ratio": round(_mean(ratios), 4),
         }
-    agreement = _mean(agreement(r["tokens"], f["tokens"]) for r, f in zip(rows, full))
-    return round(agreement, 4), {"probes": len(rows), "agreement": round(agreement, 4)}
+    agreed = _mean(agreement(r["tokens"], f["tokens"]) for r, f in zip(rows, full))
+    return round(agreed, 4), {"probes": len(rows), "agreement": round(agreed, 4)}
 
 
 def _mean(values) -> float:

@@ -70,7 +70,7 @@ class AdaptiveController:
         self.engine = None
         self._steps_since_move = 0
         self._pending: dict[int, tuple[object, str, int]] = {}  # id(request) -> (request, action, bytes before)
-        self._seen = {"preemptions": 0, "swapped": 0, "recomputed": 0}
+        self._seen = {"swapped": 0, "recomputed": 0}  # the scheduler's counts when last read
 
     def attach(self, engine) -> None:
         """Serve `engine` (an EngineCore): its scheduler asks before each admission."""
@@ -99,7 +99,7 @@ class AdaptiveController:
             request.params.max_tokens,
             request.kv_auto,
             compresses_document=request.compress_upto is not None,
-            turns=getattr(request, "turns", 0),
+            turns=request.turns,
         )
         pinned = self.config.class_mix.get(klass)
         if pinned is not None:
@@ -270,13 +270,13 @@ class AdaptiveController:
                     self.decisions.bytes_freed[action] += max(0, before - kv.request_bytes(request))
 
     def _count_scheduler_actions(self) -> None:
-        stats = self.engine.kv.stats()
-        swapped, recomputed = stats.swapped_out_blocks, stats.recomputed_blocks
+        kv = self.engine.kv  # two counters, read every step: not a whole stats() snapshot
+        swapped, recomputed = kv.swap.swapped_out_blocks if kv.swap is not None else 0, kv.recomputed_blocks
         if swapped > self._seen["swapped"]:
-            self.decisions.record("swap", "no blocks", freed=(swapped - self._seen["swapped"]) * stats.block_bytes)
+            self.decisions.record("swap", "no blocks", freed=(swapped - self._seen["swapped"]) * kv.storage.block_bytes)
         if recomputed > self._seen["recomputed"]:
             self.decisions.record(
-                "preempt", "no blocks", freed=(recomputed - self._seen["recomputed"]) * stats.block_bytes
+                "preempt", "no blocks", freed=(recomputed - self._seen["recomputed"]) * kv.storage.block_bytes
             )
         self._seen.update(swapped=swapped, recomputed=recomputed)
 

@@ -199,9 +199,8 @@ def kept_score(compaction: Compaction, keep: list[torch.Tensor]) -> float | None
     None when nothing was scored (sliding layers only)."""
     held = total = 0.0
     for layer in compaction.budget_layers:
-        scores = compaction.cap_scores.get(layer)
-        for source in (compaction.scores, compaction.ratio_scores):
-            scores = source.get(layer) if scores is None else scores
+        sources = (compaction.cap_scores, compaction.scores, compaction.ratio_scores)  # what decided, first
+        scores = next((source[layer] for source in sources if layer in source), None)
         if scores is None:
             continue
         valid, _ = compaction.private.layer(layer)

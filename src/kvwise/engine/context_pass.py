@@ -124,9 +124,9 @@ def start_pass(compaction: Compaction, kv, tokenizer) -> ReconstructionPass:
     pass_ids = policy.context_pass_inputs(context, None, tokenizer)[0][0].tolist()
     start = compaction.end - request.kv_offset  # KV index of the first pass token
     needed = max(0, -(-(start + len(pass_ids)) // block_size) - len(request.blocks))
-    if needed and needed + len(request.blocks) <= kv.pool.num_blocks and not kv.can_borrow(needed):
-        raise PassDeferred(f"the pass of {request.request_id} waits for {needed} free blocks")
     if needed and not kv.can_borrow(needed):
+        if needed + len(request.blocks) <= kv.pool.num_blocks:
+            raise PassDeferred(f"the pass of {request.request_id} waits for {needed} free blocks")
         raise MemoryError(
             f"the KV pool cannot hold KVzip's reconstruction pass of {len(pass_ids)} tokens for "
             f"{request.request_id}; give the engine more blocks or compress less at once"

@@ -233,9 +233,8 @@ class EngineCore:
         if self.logits_observer is not None:
             self.logits_observer(chunks, logits)
         failed += self._settle_memory(output, passes, failed)
-        requeued = [index for index, chunk in enumerate(chunks) if chunk.request.status is Status.WAITING]
-        if requeued:  # back in the queue to be computed again: nothing is sampled after its chunk now
-            rows = [index for index in range(len(chunks)) if index not in requeued]
+        rows = [index for index, chunk in enumerate(chunks) if chunk.request.status is not Status.WAITING]
+        if len(rows) < len(chunks):  # some went back to the queue to be recomputed: nothing is sampled for them
             chunks, logits = [chunks[index] for index in rows], logits[rows]
         events = self._postprocess(chunks, logits, failed)
         record.tier_seconds = self.kv.prefix_stats.seconds_in_tiers - tier_seconds

@@ -206,7 +206,7 @@ def adaptive_config(args, kv_quant_options):
     try:
         return AdaptiveConfig(
             args.kv_quality,
-            allowed_quants=tuple(spec.split(":")[0] for spec in kv_quant_options),
+            allowed_quants=tuple(kv_quant_options),
             class_mix=pinned,
         )
     except ValueError as error:

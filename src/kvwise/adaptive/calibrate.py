@@ -22,6 +22,7 @@ from tqdm import tqdm
 from kvwise.adaptive.probes import AGREEMENT_TOKENS, Probe, agreement, calibration_text, make_probes
 from kvwise.adaptive.profile import CLASSES, MixProfile, Profile, user_profile_path
 from kvwise.core.partial import read_partial
+from kvwise.core.plotting import headless_pyplot
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.fingerprint import weights_fingerprint
 from kvwise.hf.generation import greedy_continue
@@ -244,13 +245,8 @@ def markdown(profile: Profile) -> str:
 
 def plot_fronts(profile: Profile, path: Path) -> None:
     """Quality against bytes per class, the front joined by a line."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed (the [bench] extra): no plot of the profile")
+    plt = headless_pyplot("plot of the profile")
+    if plt is None:
         return
     figure, axes = plt.subplots(1, len(CLASSES), figsize=(5 * len(CLASSES), 4), sharey=True)
     for axis, klass in zip(axes, CLASSES):

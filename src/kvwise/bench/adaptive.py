@@ -15,7 +15,6 @@ of the same requests: at a budget under the peak, `full` cannot keep up with it.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
 from dataclasses import asdict, dataclass, field
@@ -29,12 +28,11 @@ from kvwise.bench.adaptive_workload import CLASSES, WorkloadRequest, WorkloadSpe
 from kvwise.bench.environment import system_info
 from kvwise.bench.stats import percentile
 from kvwise.core.partial import read_partial
+from kvwise.core.plotting import headless_pyplot
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.kv_budget import POOL_SHARE, SWAP_SHARE, cache_config_for_budget, token_bytes
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
-
-log = logging.getLogger("kvwise.bench")
 
 FIXED = ("snapkv@0.75", "streaming_llm@0.75", "kvzip@0.9", "kivi4", "kivi2", "kvzip@0.75+kivi4")
 SYSTEMS = ("full", *FIXED, "host-spill", "static", "auto")
@@ -404,13 +402,8 @@ def markdown(report: dict) -> str:
 
 
 def plot(report: dict, path: Path) -> None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        log.warning("matplotlib is not installed (the [bench] extra): no plot")
+    plt = headless_pyplot("plot")
+    if plt is None:
         return
     merged = aggregate(report["results"])
     budgets = list(dict.fromkeys(row["budget"] for row in merged))

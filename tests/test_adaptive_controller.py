@@ -83,9 +83,9 @@ def _occupied(core, blocks: int) -> None:
 )
 def test_admission_picks_the_cheapest_mix_meeting_the_floor_per_class(llama, hint, expected):
     core, controller = _engine(llama, num_blocks=32, quality=0.98, steps_per_rung=10**6)  # the ladder stays put
-    # 14 + 16 blocks of a request > 0.9 x 32: no memory to spare, nor for kvzip's pass
+    # 14 + the request's 19 blocks (60 + 16 tokens) > 32: no memory to spare, nor for kvzip's pass
     _occupied(core, 14)
-    request = _request(core, 60, 4, hint)
+    request = _request(core, 60, 16, hint)
     _run(core, [request])
     choice = request.kv_choice
     assert (choice.klass, choice.mix, choice.reason) == (hint, expected, "pressure")
@@ -125,16 +125,17 @@ def test_quality_floor_and_profile_errors():
 def test_allowed_quantizers_limit_the_choice(llama):
     core, _ = _engine(llama, num_blocks=32, allowed_quants=("kivi2",), steps_per_rung=10**6)
     _occupied(core, 14)
-    request = _request(core, 60, 4, "chat")
+    request = _request(core, 60, 16, "chat")
     _run(core, [request])
     assert request.kv_choice.mix == "snapkv@0.5"  # int8 is not allowed, kivi2 misses the floor
 
 
 def test_ladder_escalates_under_pressure_and_comes_down_with_hysteresis(llama):
     core, controller = _engine(llama, num_blocks=100, steps_per_rung=2)
-    trace, levels = [0.95] * 8 + [0.8] * 4 + [0.5] * 8, []
-    for usage in trace:  # a scripted pool: the ladder alone (no running request to act on)
-        controller.pressure = lambda usage=usage: (usage, False)
+    # (usage, held back): memory holds requests back, then nobody is, then usage falls
+    trace, levels = [(0.95, True)] * 8 + [(0.8, False)] * 4 + [(0.5, False)] * 8, []
+    for usage, held in trace:  # a scripted pool: the ladder alone (no running request to act on)
+        controller.pressure = lambda usage=usage, held=held: (usage, held)
         controller.before_step()
         levels.append(controller.level)
     assert levels[:8] == [0, 1, 1, 2, 2, 3, 3, 3]  # one rung every two steps, at most three
@@ -152,7 +153,7 @@ def _staggered(core, first, second, steps=3):
 
 
 def test_pressure_quantizes_a_running_request_and_counts_it(llama):
-    core, controller = _engine(llama, num_blocks=64, steps_per_rung=1, high_watermark=0.5, low_watermark=0.2)
+    core, controller = _engine(llama, num_blocks=30, steps_per_rung=1, low_watermark=0.2)
     first, second = _request(core, 64, 40, "chat", seed=1), _request(core, 64, 40, "chat", seed=2)
     _staggered(core, first, second)
     assert second.kv_choice.reason == "pressure" and second.kv.quant is not None
@@ -164,9 +165,7 @@ def test_pressure_quantizes_a_running_request_and_counts_it(llama):
 
 
 def test_compress_rung_caps_an_unquantized_request(llama):
-    core, controller = _engine(
-        llama, num_blocks=64, steps_per_rung=1, high_watermark=0.5, low_watermark=0.2, allowed_quants=()
-    )
+    core, controller = _engine(llama, num_blocks=30, steps_per_rung=1, low_watermark=0.2, allowed_quants=())
     first, second = _request(core, 64, 40, "retrieval", seed=1), _request(core, 64, 40, "retrieval", seed=2)
     _staggered(core, first, second)
     assert controller.decisions.total("compress") >= 1

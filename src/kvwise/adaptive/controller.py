@@ -3,15 +3,17 @@
 At admission (the scheduler asks it before the request's prefix is matched), a request that asked
 for `auto` gets, for its class (`request_class`):
 - an operator's pinned mix for that class, if any;
-- `full` when its prompt is short (nothing worth saving) or memory is to spare: what the pool
-  holds and its own full KV fit under the high watermark;
+- `full` when its prompt is short (nothing worth saving) or memory is to spare: the ladder is down
+  and its whole KV (prompt and output) fits the pool's free blocks now;
 - otherwise the cheapest mix, in bytes, whose profiled quality meets the floor (`Profile.cheapest`),
   among the quantizers the server allows, and, when the pool cannot lend a context pass right now,
   among the mixes that need none.
 
-Under pressure (pool usage past the high watermark, or requests waiting past the low one) it climbs
-a ladder, one rung every `steps_per_rung` steps, and comes down the same way once usage is under the
-low watermark with nobody waiting (the gap between the two is the hysteresis):
+Under pressure (memory held a request back in the last `steps_per_rung` steps: a prefill chunk found
+no blocks, or a running request was swapped out or preempted) it climbs a ladder, one rung every
+`steps_per_rung` steps, and comes down the same way once usage is under the low watermark with nobody
+held back (between the two, it holds: the hysteresis). A pool that is nearly full but holds all its
+work is not pressure: compressing then would cost quality for nothing.
 1. quantize: the longest tolerant running request (one whose class keeps the floor under a
    quantizer alone, whose quantizer's measured error is in bounds) stores its settled blocks
    quantized;
@@ -42,8 +44,7 @@ class AdaptiveConfig:
     quality: float = 0.98  # floor on predicted quality relative to the full cache, per class
     allowed_quants: tuple[str, ...] | None = None  # quantizer names auto may pick (None: every one)
     class_mix: dict[str, str] = field(default_factory=dict)  # class -> a pinned mix
-    high_watermark: float = 0.90  # pool usage that starts escalating
-    low_watermark: float = 0.70  # usage under which (nobody waiting) it de-escalates
+    low_watermark: float = 0.70  # usage under which (nobody held back) it de-escalates
     steps_per_rung: int = 4  # steps between two moves on the ladder: an action takes a step to show
     min_prompt_tokens: int = 256  # shorter prompts keep everything: there is little to save
     min_kept_score: float = 0.6  # a request whose eviction kept less of its policy's score is left alone
@@ -53,8 +54,8 @@ class AdaptiveConfig:
     def __post_init__(self):
         if not 0 < self.quality <= 1:
             raise ValueError(f"the quality floor must be in (0, 1], got {self.quality}")
-        if not 0 < self.low_watermark < self.high_watermark <= 1:
-            raise ValueError("watermarks need 0 < low < high <= 1")
+        if not 0 < self.low_watermark < 1:
+            raise ValueError(f"the low watermark must be in (0, 1), got {self.low_watermark}")
         self.class_mix = {check_class(klass): parse_mix(mix).spec for klass, mix in self.class_mix.items()}
         if self.allowed_quants is not None:
             self.allowed_quants = tuple(name.split(":")[0] for name in self.allowed_quants)
@@ -70,7 +71,9 @@ class AdaptiveController:
         self.engine = None
         self._steps_since_move = 0
         self._pending: dict[int, tuple[object, str, int]] = {}  # id(request) -> (request, action, bytes before)
-        self._seen = {"swapped": 0, "recomputed": 0}  # the scheduler's counts when last read
+        self._seen = {"swapped": 0, "recomputed": 0, "held": 0}  # the engine's counts when last read
+        self._steps = 0
+        self._last_held_back = None  # the step memory last held a request back
 
     def attach(self, engine) -> None:
         """Serve `engine` (an EngineCore): its scheduler asks before each admission."""
@@ -132,13 +135,13 @@ class AdaptiveController:
         return quant.split(":")[0] in self.config.allowed_quants
 
     def _memory_to_spare(self, request) -> bool:
-        """The pool holds what is used and this request's full KV (prompt and output) under the
-        high watermark. Neither the queue nor running requests' future growth is counted: the queue
-        is admitted as memory frees and growth is met by the ladder, while compressing ahead of a
-        need that may not come costs time and quality now."""
+        """This request's full KV (prompt and output) fits the pool's free blocks now. Neither the
+        queue nor running requests' future growth is counted: the queue is admitted as memory frees
+        and growth is met by the ladder, while compressing ahead of a need that may not come costs
+        time and quality now."""
         pool = self.engine.kv.pool
         own = -(-(len(request.prompt) + request.params.max_tokens) // pool.block_size)
-        return pool.stats().used + own <= self.config.high_watermark * pool.num_blocks
+        return pool.stats().used + own <= pool.num_blocks
 
     # ---- pressure ------------------------------------------------------------------------------
     def before_step(self) -> None:
@@ -146,27 +149,32 @@ class AdaptiveController:
         count the scheduler's swaps and preemptions, move on the ladder, act."""
         self._settle_pending()
         self._count_scheduler_actions()
-        usage, waiting = self.pressure()
+        usage, held_back = self.pressure()
+        self._steps += 1
         self._steps_since_move += 1
+        if held_back:
+            self._last_held_back = self._steps
+        recently = self._last_held_back is not None and self._steps - self._last_held_back < self.config.steps_per_rung
         if self._steps_since_move >= self.config.steps_per_rung:
-            if (usage >= self.config.high_watermark or (waiting and usage >= self.config.low_watermark)) and (
-                self.level < len(self.RUNGS)
-            ):
+            if recently and self.level < len(self.RUNGS):
                 self.level += 1
                 self._steps_since_move = 0
-            elif usage < self.config.low_watermark and not waiting and self.level > 0:
+            elif usage < self.config.low_watermark and not recently and self.level > 0:
                 self.level -= 1
                 self._steps_since_move = 0
         if self.level == 0 or usage < self.config.low_watermark:
             return
-        reason = "pool>high" if usage >= self.config.high_watermark else "queue"
+        reason = "held back" if recently else "holding"
         for rung in self.RUNGS[: self.level]:
             getattr(self, f"_{rung}")(reason)
 
     def pressure(self) -> tuple[float, bool]:
-        """(the pool's usage in [0, 1], whether requests are waiting)."""
-        pool = self.engine.kv.pool
-        return pool.stats().used / pool.num_blocks, bool(self.engine.scheduler.waiting)
+        """(the pool's usage in [0, 1], whether memory held a request back since the last step:
+        a prefill chunk found no blocks, or a running request was swapped out or preempted)."""
+        scheduler, pool = self.engine.scheduler, self.engine.kv.pool
+        held = scheduler.memory_stalls + scheduler.preemptions
+        held_back, self._seen["held"] = held > self._seen["held"], held
+        return pool.stats().used / pool.num_blocks, held_back
 
     def _candidates(self):
         """Running auto requests past their prefill (not pinned), longest first."""

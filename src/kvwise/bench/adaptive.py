@@ -1,15 +1,19 @@
 """`kvwise bench adaptive`: the adaptive controller against fixed techniques under one KV budget.
 
 Each system serves the same open-loop workload (`adaptive_workload`) through the engine, with all
-its KV memory (pool, host swap, quantized blocks) limited to a fraction of the workload's peak
-full-cache demand. Quality is scored per request against the full cache at unlimited memory:
+its KV memory (pool, host swap, quantized blocks) limited by one budget. A budget of f "of peak
+demand" gives the pool f of the full cache's peak at unlimited memory (the budget is that over the
+pool's share): at 1.0 `full` never waits for memory.
+
+Quality is scored per request against the full cache at unlimited memory:
 - retrieval: 1 if the key is in the answer, divided by the full cache's accuracy on the same requests;
 - chat: min(1, full's perplexity / this one's) on the full cache's reply, replayed through the
   library cache with the settings the request ended with (the engine's tests hold the two equal);
 - short and long generation: the fraction of the first 32 tokens equal to the full cache's.
 
-The rate, unless given, is the full cache's service rate at unlimited memory, measured on a burst
-of the same requests: at a budget under the peak, `full` cannot keep up with it.
+The rate, unless given, is twice the full cache's service rate at unlimited memory, measured on a
+burst of the same requests: it saturates `full` at every budget, so output tokens per second measure
+what each system can serve, not how fast requests arrive.
 """
 
 from __future__ import annotations
@@ -37,6 +41,8 @@ from kvwise.engine.sampling import SamplingParams
 FIXED = ("snapkv@0.75", "streaming_llm@0.75", "kvzip@0.9", "kivi4", "kivi2", "kvzip@0.75+kivi4")
 SYSTEMS = ("full", *FIXED, "host-spill", "static", "auto")
 STATIC_TABLE = {"chat": "h2o@0.5", "long_generation": "streaming_llm@0.5", "short": "full"}  # + retrieval: profile's
+SATURATION = 2.0  # the default rate over full's service rate: arrivals outpace it at every budget
+PARTIAL_FORMAT = 2  # budgets give the pool f of the peak
 UNLIMITED_BYTES = 6 << 30  # the reference's pool: never full on these workloads (its preemptions are reported)
 
 
@@ -45,7 +51,7 @@ class AdaptiveBenchConfig:
     workload: WorkloadSpec = field(default_factory=WorkloadSpec)
     systems: tuple[str, ...] = SYSTEMS
     budgets: tuple[float, ...] = (0.3, 1.0)
-    rate: float | None = None  # requests per second; None: full's service rate at unlimited memory
+    rate: float | None = None  # requests per second; None: SATURATION x full's burst rate, unlimited memory
     repeats: int = 1
     quality: float = 0.98  # auto's floor
     profile: str | None = None  # a profile JSON (default: the model's, by fingerprint)
@@ -70,6 +76,7 @@ def run_adaptive_bench(config: AdaptiveBenchConfig, out_dir: Path, resume: bool 
     requests = build_workload(tokenizer, config.workload)
     out_dir.mkdir(parents=True, exist_ok=True)
     header = {key: value for key, value in asdict(config).items() if key not in ("systems", "budgets", "repeats")}
+    header["format"] = PARTIAL_FORMAT  # rows of an older budget meaning are not reused
     header = json.loads(json.dumps(header))  # as it reads back (tuples become lists)
     partial = out_dir / "adaptive.partial.jsonl"
     done = read_partial(partial, lambda saved: saved == header, lambda row: row["key"])
@@ -92,13 +99,13 @@ def run_adaptive_bench(config: AdaptiveBenchConfig, out_dir: Path, resume: bool 
         rate = config.rate
         if rate is None:
             burst = measured("burst", lambda bar: bench.run("full", None, at_rate(requests, None), bar))
-            rate = len(requests) / burst["wall_seconds"]
+            rate = SATURATION * len(requests) / burst["wall_seconds"]
         arrivals = at_rate(requests, rate)
         reference = measured(f"reference@{rate:.4f}", lambda bar: bench.run("full", None, arrivals, bar))
         peak = reference["peak_kv_bytes"]
         rows = []
         for fraction in config.budgets:
-            budget = max(int(fraction * peak), bench.least_budget())
+            budget = max(int(fraction * peak / POOL_SHARE), bench.least_budget())
             for system in config.systems:
                 for repeat in range(config.repeats):
                     key = f"{system}@{fraction}#{repeat}@{rate:.4f}"
@@ -110,7 +117,10 @@ def run_adaptive_bench(config: AdaptiveBenchConfig, out_dir: Path, resume: bool 
         "config": asdict(config),
         "system": system_info(model.device),
         "rate": rate,
-        "rate_source": "given" if config.rate is not None else "full's service rate at unlimited memory (a burst)",
+        "rate_source": "given"
+        if config.rate is not None
+        else f"{SATURATION:g}x full's service rate at unlimited memory (a burst)",
+        "pool_share": POOL_SHARE,
         "peak_demand_bytes": peak,
         "reference": _summary(reference),
         "profile": profile.fingerprint,
@@ -369,7 +379,8 @@ def markdown(report: dict) -> str:
         f"Adaptive KV, {workload['requests']} requests (retrieval/chat/short/long "
         f"{'/'.join(str(p) for p in workload['proportions'])}), seed {workload['seed']}, "
         f"haystack {workload['haystack_dir'] or 'built-in essays (bench part)'}, rate {report['rate']:.3f} req/s "
-        f"({report['rate_source']}), peak full-cache demand {report['peak_demand_bytes']:,} bytes, "
+        f"({report['rate_source']}), peak full-cache demand {report['peak_demand_bytes']:,} bytes (a budget of f "
+        f"gives the pool f of it: the budget is f x peak / {report.get('pool_share', POOL_SHARE)}), "
         f"auto's floor {config['quality']}, model={config['model'] or 'SmolLM2-135M-Instruct'}",
         f"system: kvwise {report['system']['kvwise']}, {report['system']['device']} ({report['system']['hardware']})",
         "",

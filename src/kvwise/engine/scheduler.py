@@ -77,6 +77,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.preemptions = 0
+        self.memory_stalls = 0  # prefill chunks that found no blocks: memory held a request back
         self.on_admit: list = []  # callables(request), when it is admitted with its cached prefix matched (metrics)
         self.on_admitting: list = []  # callables(request), before its prefix is matched (the KV controller)
 
@@ -222,6 +223,7 @@ class Scheduler:
             # a shorter chunk in the blocks that are free (the prefix cache gave up what it could)
             end = min(end, self.kv.fit_tokens(request))
             if end <= request.computed or not self._reserve(request, end, step):
+                self.memory_stalls += 1
                 return budget
         if end > request.computed:
             step.prefills.append(Chunk(request, request.computed, end))

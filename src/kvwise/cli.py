@@ -52,7 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--data", default=None, help="a folder of your .txt/.md documents to probe on (default: built-in essays)"
     )
     calibrate.add_argument("--budget-minutes", type=float, default=None, help="stop starting new mixes after this")
-    calibrate.add_argument("--mixes", default=None, help="comma list of mixes (default: 22, or 8 with --quick)")
+    calibrate.add_argument("--mixes", default=None, help="comma list of mixes (default: 23, or 8 with --quick)")
     calibrate.add_argument("--quick", action="store_true", help="8 mixes on fewer probes (a few minutes)")
     calibrate.add_argument("--seed", type=int, default=0)
     calibrate.add_argument("--out", default=None, help="folder for the profile (default: $KVWISE_HOME/profiles)")

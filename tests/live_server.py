@@ -20,11 +20,17 @@ def free_port() -> int:
 
 
 class LiveServer:
-    def __init__(self, *options: str, startup_seconds: float = 120.0, metrics_key: str | None = None):
+    def __init__(
+        self,
+        *options: str,
+        startup_seconds: float = 120.0,
+        metrics_key: str | None = None,
+        python: str = sys.executable,  # another environment's interpreter, to serve from it
+    ):
         self.metrics_key = metrics_key  # an admin key, sent when reading /metrics
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
-        command = [sys.executable, "-m", "kvwise.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
+        command = [python, "-m", "kvwise.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
         self.process = subprocess.Popen(
             [*command, *options], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

@@ -1,5 +1,6 @@
 """kvwise: KV-cache management for LLM inference (reuse, eviction, compression, tiers)."""
 
+from kvwise._version import __version__
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.llm import LLM, CacheConfig
 from kvwise.engine.sampling import SamplingParams
@@ -7,8 +8,6 @@ from kvwise.hf.cache import KVWiseCache
 from kvwise.kv.quantizer import make_quantizer, quantizer_names
 from kvwise.models import load_model
 from kvwise.policies.registry import make_policy, policy_names
-
-__version__ = "0.1.0"
 
 __all__ = [
     "LLM",

@@ -6,12 +6,15 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvwise._version import __version__
 from kvwise.bench.commands import add_bench_parsers, run_bench
+from kvwise.core.extras import MissingExtra, require
 from kvwise.server.serve import add_serve_arguments
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvwise", description="KV-cache management for LLM inference")
+    parser.add_argument("--version", action="version", version=f"kvwise {__version__}")
     commands = parser.add_subparsers(dest="command", required=True)
 
     commands.add_parser("policies", help="list the eviction policies")
@@ -162,6 +165,8 @@ def _command_calibrate(args) -> None:
 
 
 def _command_serve(args) -> None:
+    for module in ("fastapi", "uvicorn", "prometheus_client"):
+        require(module, "server", "kvwise serve")
     from kvwise.server.serve import run_server
 
     run_server(args)
@@ -185,6 +190,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as error:
         print(f"kvwise: error: {error}", file=sys.stderr)
         return 2
+    except MissingExtra as error:
+        print(f"kvwise: error: {error}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         print("kvwise: interrupted", file=sys.stderr)
         return 130

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from kvwise.core.extras import require
 from kvwise.core.home import kvwise_home
 from kvwise.hf.attention import ATTENTION_NAME, register_attention
 
@@ -50,6 +51,7 @@ def _converted_embedded_dir() -> Path:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     gguf_path = _embedded_gguf_path()
+    require("gguf", "embedded", f"reading the embedded model's GGUF file ({gguf_path.name})")
     logger.warning("converting %s to safetensors under %s (first use only)", gguf_path.name, target)
     started = time.perf_counter()
     model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
@@ -102,4 +104,6 @@ def load_model(name: str | None = None, device: str | torch.device = "auto", dty
     model.to(target_device).eval()
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
+    what = f"the embedded {EMBEDDED_MODEL_NAME} (a Q4_1 GGUF, dequantized)" if name is None else repr(name)
+    logger.info("loaded %s from %s: %s on %s", what, source, str(dtype).removeprefix("torch."), target_device)
     return model, tokenizer

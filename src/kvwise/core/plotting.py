@@ -15,6 +15,6 @@ def headless_pyplot(what: str):
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        log.warning("matplotlib is not installed (the [bench] extra): no %s", what)
+        log.warning("matplotlib is not installed: no %s (pip install 'kvwise[bench]')", what)
         return None
     return plt

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from kvwise.core.extras import require
 from kvwise.tiers.base import Tier
 from kvwise.tiers.payload import CorruptBlock, decode_block, encode_block
 
@@ -38,7 +39,7 @@ def _ciphers(encryption_keys) -> tuple:
         return ()
     if isinstance(encryption_keys, str | bytes | bytearray):
         encryption_keys = [encryption_keys]
-    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+    AESGCM = require("cryptography.hazmat.primitives.ciphers.aead", "crypto", "an encrypted disk tier").AESGCM
 
     ciphers = []
     for key in encryption_keys:

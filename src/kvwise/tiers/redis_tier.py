@@ -44,9 +44,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
-from cryptography.exceptions import InvalidTag
-from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
+from kvwise.core.extras import require
 from kvwise.tiers.base import Tier
 from kvwise.tiers.payload import CorruptBlock, decode_block, encode_block
 
@@ -65,7 +64,7 @@ class SealingKeys:
 
     hmac_keys: tuple[bytes, ...]
     encryption_keys: tuple[bytes, ...]
-    ciphers: tuple[AESGCM, ...]  # one per encryption key
+    ciphers: tuple  # one AESGCM per encryption key
 
     @classmethod
     def parse(cls, hmac_keys: KeyOrKeys, encryption_keys: KeyOrKeys) -> SealingKeys:
@@ -78,7 +77,10 @@ class SealingKeys:
             )
         if not all(macs):
             raise ValueError("an HMAC key of the Redis tier is empty")
-        return cls(macs, aes_keys, tuple(AESGCM(key) for key in aes_keys))
+        if not aes_keys:
+            return cls(macs, aes_keys, ())
+        aead = require("cryptography.hazmat.primitives.ciphers.aead", "crypto", "an encrypted Redis tier")
+        return cls(macs, aes_keys, tuple(aead.AESGCM(key) for key in aes_keys))
 
 
 def _as_list(keys: KeyOrKeys) -> list:
@@ -145,8 +147,7 @@ class RedisTier(Tier):
         # after a failure, calls fail fast for retry_seconds: the engine spills on its own thread
         # at every eviction, and must not wait out a timeout per block while Redis is down
         self.retry_seconds, self._down_until = retry_seconds, 0.0
-        import redis
-
+        redis = require("redis", "redis", "the Redis tier")
         self._errors = (redis.RedisError, OSError)
         self._response_error = redis.ResponseError
         from redis.backoff import NoBackoff
@@ -201,7 +202,7 @@ class RedisTier(Tier):
             for cipher in keys.ciphers:
                 try:
                     return cipher.decrypt(value[:NONCE_BYTES], value[NONCE_BYTES:], name)
-                except (InvalidTag, ValueError):  # ValueError: a value too short to hold a nonce
+                except (_invalid_tag(), ValueError):  # ValueError: a value too short to hold a nonce
                     continue
             raise CorruptBlock("AES-GCM authentication failed")
         tag, payload = value[:TAG_BYTES], value[TAG_BYTES:]
@@ -279,3 +280,10 @@ class RedisTier(Tier):
             self.stats.deletes += 1
         except self._errors as error:
             self._failed(error)
+
+
+def _invalid_tag() -> type[Exception]:
+    """cryptography's InvalidTag: imported only with an encryption key in force (the crypto extra)."""
+    from cryptography.exceptions import InvalidTag
+
+    return InvalidTag

@@ -69,3 +69,16 @@ def test_mixed_lengths_equal_generate_with_reuse_on_and_off(smollm, prefix_cachi
     reused = sum(request.reused for output in second for request in output.requests)
     assert (reused > 0) == prefix_caching
     model.set_attn_implementation("kvwise")
+
+
+def test_stop_token_ids_and_penalties(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    plain = llm.generate("1, 2, 3, 4,", greedy, use_tqdm=False)[0].outputs[0]
+    third = plain.token_ids[2]
+    stop = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, stop_token_ids=[third])
+    stopped = llm.generate("1, 2, 3, 4,", stop, use_tqdm=False)[0].outputs[0]
+    assert stopped.finish_reason == "stop"
+    assert stopped.token_ids == plain.token_ids[: plain.token_ids.index(third)]  # the stop token is not returned
+    # counting up repeats ", ": a frequency penalty breaks the pattern, the greedy path follows it
+    penalized = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=2.0)
+    assert llm.generate("1, 2, 3, 4,", penalized, use_tqdm=False)[0].outputs[0].token_ids != plain.token_ids

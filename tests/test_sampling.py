@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwise.engine.sampling import SamplingParams, find_stop, sample
+from kvwise.engine.sampling import SamplingParams, apply_penalties, find_stop, min_p_cut, sample
 
 
 def logits(batch=1, vocab=50, seed=0):
@@ -73,3 +73,58 @@ def test_stop_strings():
     assert find_stop("hello END world STOP", ["STOP", "END"]) == 6
     assert find_stop("hello", ["END"]) is None
     assert find_stop("END then END", ["END"], start=1) == 9
+
+
+def test_repetition_penalty_matches_transformers():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    scores, prompt, output = logits(vocab=40), [3, 5, 5, 11], [11, 20, 3]
+    for penalty in (1.3, 0.7):
+        ours = apply_penalties(scores[0], SamplingParams(repetition_penalty=penalty), prompt, output)
+        theirs = RepetitionPenaltyLogitsProcessor(penalty)(torch.tensor([prompt + output]), scores.clone())[0]
+        assert torch.allclose(ours, theirs)
+        assert not torch.equal(ours, scores[0])  # it did change the seen tokens
+
+
+def test_frequency_and_presence_penalties_follow_openai():
+    # logit[j] -= frequency * count[j] + presence * (count[j] > 0), over the output only
+    scores, output = logits(vocab=30), [4, 4, 4, 9]
+    settings = SamplingParams(frequency_penalty=0.5, presence_penalty=1.5)
+    ours = apply_penalties(scores[0], settings, [4, 9, 17], output)
+    expected = scores[0].clone()
+    expected[4] -= 0.5 * 3 + 1.5
+    expected[9] -= 0.5 * 1 + 1.5
+    assert torch.allclose(ours, expected)  # token 17 is only in the prompt: untouched
+    # greedy follows the penalized logits: a token made the argmax is penalized off it
+    top = int(scores[0].argmax())
+    pushed = sample(scores, [SamplingParams(temperature=0, frequency_penalty=2.0)], [None], [([], [top] * 20)])
+    assert pushed[0].token != top
+
+
+def test_min_p_matches_transformers():
+    from transformers import MinPLogitsWarper
+
+    scores = logits(vocab=60)
+    for min_p in (0.05, 0.3):
+        ours = min_p_cut(scores[0], min_p)
+        theirs = MinPLogitsWarper(min_p)(None, scores.clone())[0]
+        assert torch.equal(torch.isinf(ours), torch.isinf(theirs))
+        assert torch.isinf(ours).any() and not torch.isinf(ours).all()
+    kept = set(torch.nonzero(~torch.isinf(min_p_cut(scores[0], 0.3))).flatten().tolist())
+    draws = {sample(scores, [SamplingParams(min_p=0.3, seed=s)], [seeded(s)])[0].token for s in range(40)}
+    assert draws <= kept
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"presence_penalty": 2.5}, "presence_penalty must be in"),
+        ({"frequency_penalty": -3}, "frequency_penalty must be in"),
+        ({"repetition_penalty": 0}, "repetition_penalty must be in"),
+        ({"min_p": 1.5}, "min_p must be in"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids must be"),
+    ],
+)
+def test_bad_penalty_params(options, message):
+    with pytest.raises(ValueError, match=message):
+        SamplingParams(**options)

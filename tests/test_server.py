@@ -186,17 +186,73 @@ def test_errors(server):
     assert huge.status_code == 413
 
 
+def test_fields_clients_send_are_ignored_or_refused_by_name(server):
+    api = client(server)
+    ignored = {
+        "metadata": {"session": "42"},
+        "store": False,
+        "service_tier": "auto",
+        "parallel_tool_calls": False,
+        "response_format": {"type": "text"},
+        "tool_choice": "none",
+    }
+    plain = api.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "Say hello."}], max_tokens=4, temperature=0
+    )
+    answer = api.chat.completions.with_raw_response.create(
+        model=MODEL,
+        messages=[{"role": "user", "content": "Say hello."}],
+        max_tokens=4,
+        temperature=0,
+        user="u1",
+        **ignored,
+    )
+    assert answer.parse().choices[0].message.content == plain.choices[0].message.content  # nothing changed
+    warning = answer.headers["warning"]
+    assert all(name in warning for name in ("metadata", "store", "service_tier", "parallel_tool_calls"))
+    tool = {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {}}}}
+    refused = {
+        "tools": {"tools": [tool]},
+        "logit_bias": {"logit_bias": {"42": 5.0}},
+        "response_format": {"response_format": {"type": "json_object"}},
+        "tool_choice": {"tool_choice": {"type": "function", "function": {"name": "f"}}},
+    }
+    for field, extra in refused.items():
+        with pytest.raises(openai.BadRequestError) as error:
+            api.chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=1, **extra
+            )
+        assert error.value.body["param"] == field and field in error.value.body["message"]
+
+
 def test_tenants_do_not_share_prefixes_unless_they_opt_in(server):
     def hits(tenant):
         return server.value("kvwise_prefix_cache_hits_tokens_total", tenant=tenant)
 
     prompt = f"Alice's private notes. {DOCUMENT} Question: what is item 4?"
-    client(server, "alice").completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    first = client(server, "alice").completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
     before = hits("alice")
-    client(server, "alice").completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    again = client(server, "alice").completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     assert hits("alice") - before >= 128  # alice reuses her own prefix
-    client(server, "bob").completions.create(model=MODEL, prompt=prompt, max_tokens=1)
+    # and the client reads it: the tokens the hit counter gained, in whole blocks
+    assert again.usage.prompt_tokens_details.cached_tokens == hits("alice") - before
+
+    def streamed_usage():
+        stream = client(server, "alice").chat.completions.create(
+            model=MODEL,
+            messages=[{"role": "user", "content": prompt}],
+            max_tokens=1,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+        return [chunk.usage for chunk in stream if chunk.usage][0]
+
+    streamed_usage()
+    assert streamed_usage().prompt_tokens_details.cached_tokens >= 128  # streams carry it too
+    bob = client(server, "bob").completions.create(model=MODEL, prompt=prompt, max_tokens=1)
     assert hits("bob") == 0  # bob never sees alice's blocks
+    assert bob.usage.prompt_tokens_details.cached_tokens == 0
     assert server.value("kvwise_prefix_cache_queries_tokens_total", tenant="bob") > 0
 
     # the shared namespace holds only the marked segment (128 tokens), never the rest of a prompt

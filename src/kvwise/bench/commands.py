@@ -139,8 +139,12 @@ def add_adaptive_parser(workloads) -> None:
     adaptive.add_argument(
         "--mix", type=floats, default=None, help="class proportions retrieval,chat,short,long (default 0.4,0.3,0.2,0.1)"
     )
-    adaptive.add_argument("--rate", type=float, default=None, help="arrivals per second (default: full's service rate)")
-    adaptive.add_argument("--budgets", type=floats, default=None, help="fractions of peak full-cache demand (0.3,1.0)")
+    adaptive.add_argument(
+        "--rate", type=float, default=None, help="arrivals per second (default: 2x full's service rate, saturating it)"
+    )
+    adaptive.add_argument(
+        "--budgets", type=floats, default=None, help="fractions of full's peak KV demand the pool holds (0.3,1.0)"
+    )
     adaptive.add_argument("--repeats", type=int, default=None, help="runs per system and budget (the spread)")
     adaptive.add_argument("--systems", type=names, default=None, help="a subset of the systems (default: all)")
     adaptive.add_argument("--quality", type=float, default=None, help="auto's quality floor (default 0.98)")

@@ -423,13 +423,15 @@ class EngineCore:
         if not finishing:
             return []
         params, generators = [c.request.params for c in finishing], [c.request.generator for c in finishing]
+        histories = [(c.request.prompt, c.request.output) for c in finishing]
         try:
-            return sample(logits, params, generators)
+            return sample(logits, params, generators, histories)
         except Exception:  # noqa: BLE001 - row by row, to find whose row it was
             tokens = []
             for row, chunk in enumerate(finishing):
                 try:
-                    tokens.extend(sample(logits[row : row + 1], params[row : row + 1], generators[row : row + 1]))
+                    rows = slice(row, row + 1)
+                    tokens.extend(sample(logits[rows], params[rows], generators[rows], histories[rows]))
                 except Exception as error:  # noqa: BLE001
                     failed.append((chunk.request, error))
                     tokens.append(None)
@@ -448,6 +450,8 @@ class EngineCore:
         params = request.params
         if not params.ignore_eos and self.eos is not None and token == self.eos:
             return "stop"
+        if token in params.stop_token_ids:
+            return "stop"
         if params.stop and self.tokenizer is not None:
             if request.stop_text is None:  # decodes only the newest tokens: linear in the output
                 request.stop_text = IncrementalText(self.tokenizer, params.stop, self.eos)
@@ -458,7 +462,11 @@ class EngineCore:
 
     def _completion(self, request: Request, reason: str) -> CompletionOutput:
         token_ids = list(request.output)
-        if reason == "stop" and token_ids and token_ids[-1] == self.eos:
+        if (
+            reason == "stop"
+            and token_ids
+            and (token_ids[-1] == self.eos or token_ids[-1] in request.params.stop_token_ids)
+        ):
             token_ids = token_ids[:-1]
         text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
         if reason == "stop" and request.params.stop:

@@ -1,9 +1,17 @@
 """`SamplingParams` and the sampler: one batched step from logits to next tokens.
 
-The parameters follow vLLM's offline API (`temperature`, `top_p`, `top_k`, `seed`, `stop`,
-`max_tokens`, `n`, `logprobs`), so users feel at home. A temperature of 0 is greedy. Each
-request with a seed samples from its own generator, so its output does not depend on what else
-is in the batch.
+The parameters follow vLLM's offline API (`temperature`, `top_p`, `top_k`, `min_p`, `seed`,
+`stop`, `stop_token_ids`, `max_tokens`, `n`, `logprobs`, and the penalties), so users feel at home.
+A temperature of 0 is greedy. Each request with a seed samples from its own generator, so its
+output does not depend on what else is in the batch.
+
+Penalties change the logits before anything else (greedy included), as in vLLM:
+- `repetition_penalty` (transformers' and CTRL's): a token already in the prompt or the output has
+  its logit divided by the penalty when positive, multiplied when negative;
+- `frequency_penalty` and `presence_penalty` (OpenAI's): a token's logit loses frequency x its count
+  in the output so far, and presence once if it occurs there at all.
+`min_p` then drops tokens whose probability, after temperature, is under min_p x the top one's.
+Logprobs are reported from the model's logits, before any of this (vLLM's default).
 """
 
 from __future__ import annotations
@@ -30,6 +38,11 @@ class SamplingParams:
     n: int = 1
     logprobs: int | None = None  # how many top alternatives to report per token (0: only the chosen one)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    stop_token_ids: list[int] = field(default_factory=list)  # sampling one of these ends the output
 
     def __post_init__(self):
         if isinstance(self.stop, str):
@@ -51,6 +64,18 @@ class SamplingParams:
                 all(len(text) <= MAX_STOP_LENGTH for text in self.stop),
                 f"a stop string may have at most {MAX_STOP_LENGTH} characters",
             ),
+            (-2 <= self.presence_penalty <= 2, f"presence_penalty must be in [-2, 2], got {self.presence_penalty}"),
+            (-2 <= self.frequency_penalty <= 2, f"frequency_penalty must be in [-2, 2], got {self.frequency_penalty}"),
+            (
+                math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= 10,
+                f"repetition_penalty must be in (0, 10], got {self.repetition_penalty}",
+            ),
+            (0 <= self.min_p <= 1, f"min_p must be in [0, 1], got {self.min_p}"),
+            (
+                all(isinstance(token, int) and token >= 0 for token in self.stop_token_ids),
+                "stop_token_ids must be non-negative token ids",
+            ),
+            (len(self.stop_token_ids) <= 64, f"at most 64 stop_token_ids, got {len(self.stop_token_ids)}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -60,6 +85,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def penalized(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+
 
 @dataclass
 class SampledToken:
@@ -68,23 +97,34 @@ class SampledToken:
     top: dict[int, float]  # the `logprobs` most likely tokens and their log-probabilities
 
 
-def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[torch.Generator | None]):
+def sample(
+    logits: torch.Tensor,
+    params: list[SamplingParams],
+    generators: list[torch.Generator | None],
+    histories: list[tuple[list[int], list[int]]] | None = None,
+):
     """Pick one token per row.
 
     Args:
         logits: [batch, vocab], the last position of each running sequence.
         params, generators: one per row; a generator (on the logits' device) makes that row's
             draw reproducible whatever else is in the batch.
+        histories: one (prompt token ids, output token ids) per row, for the penalties.
     Returns:
         list of SampledToken, one per row.
     """
     log_probs = torch.log_softmax(logits.float(), dim=-1)
     chosen = []
     for row, (settings, generator) in enumerate(zip(params, generators)):
+        scores = logits[row]
+        if settings.penalized:
+            if histories is None:
+                raise ValueError("penalties need each row's prompt and output")
+            scores = apply_penalties(scores, settings, *histories[row])
         if settings.greedy:
-            token = int(torch.argmax(logits[row]))
+            token = int(torch.argmax(scores))
         else:
-            token = _draw(logits[row].float() / settings.temperature, settings, generator)
+            token = _draw(scores.float() / settings.temperature, settings, generator)
         top = {}
         if settings.logprobs:
             values, indices = log_probs[row].topk(settings.logprobs)
@@ -93,8 +133,32 @@ def sample(logits: torch.Tensor, params: list[SamplingParams], generators: list[
     return chosen
 
 
+def apply_penalties(
+    logits: torch.Tensor, settings: SamplingParams, prompt: list[int], output: list[int]
+) -> torch.Tensor:
+    """logits [vocab] after the repetition, frequency and presence penalties (a new tensor)."""
+    logits = logits.float().clone()
+    if settings.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted({*prompt, *output}), dtype=torch.long, device=logits.device)
+        picked = logits[seen]
+        penalty = settings.repetition_penalty
+        logits[seen] = torch.where(picked < 0, picked * penalty, picked / penalty)
+    if output and (settings.frequency_penalty or settings.presence_penalty):
+        tokens, counts = torch.tensor(output, device=logits.device).unique(return_counts=True)
+        logits[tokens] -= settings.frequency_penalty * counts + settings.presence_penalty
+    return logits
+
+
+def min_p_cut(scaled: torch.Tensor, min_p: float) -> torch.Tensor:
+    """Temperature-scaled logits [vocab] with tokens under min_p x the top probability set to -inf."""
+    probs = torch.softmax(scaled, dim=-1)
+    return scaled.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
 def _draw(scaled: torch.Tensor, settings: SamplingParams, generator: torch.Generator | None) -> int:
-    """Sample from temperature-scaled logits [vocab] after top-k and top-p cuts."""
+    """Sample from temperature-scaled logits [vocab] after min-p, top-k and top-p cuts."""
+    if settings.min_p > 0:
+        scaled = min_p_cut(scaled, settings.min_p)
     if settings.top_k > 0 and settings.top_k < scaled.numel():
         threshold = scaled.topk(settings.top_k).values[-1]
         scaled = scaled.masked_fill(scaled < threshold, float("-inf"))

@@ -32,7 +32,13 @@ from kvwise.server.async_engine import AsyncEngine, EngineFailure
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.openai_format import Formatter
 from kvwise.server.openapi import install_openapi, request_body
-from kvwise.server.protocol import ChatRequest, CompletionRequest, OpenAIError
+from kvwise.server.protocol import (
+    IGNORED_FIELDS,
+    UNSUPPORTED_FIELDS,
+    ChatRequest,
+    CompletionRequest,
+    OpenAIError,
+)
 
 SHARED_PREFIX_HEADER = "x-kvwise-shared-prefix"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer (never sent)
@@ -238,6 +244,8 @@ class _Handlers:
                 code="model_not_found",
             )
         self._check_request_count(body, chat)  # before anything is tokenized or built
+        ignored = ignored_fields(body)
+        headers = {"Warning": f'299 kvwise "ignored: {", ".join(ignored)}"'} if ignored else None
         prompts = self._chat_prompts(body) if chat else self._completion_prompts(body)
         params = self._sampling(body, chat, max(map(len, prompts)))
         kv = self._kv_settings(body)
@@ -272,11 +280,15 @@ class _Handlers:
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
             stream = self._stream(http, formatter, requests, events, params, prompt_tokens, include_usage, top)
-            return StreamingResponse(stream, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            headers = {"Cache-Control": "no-cache", **(headers or {})}
+            return StreamingResponse(stream, media_type="text/event-stream", headers=headers)
         completions = await self._wait(http, requests, events)
         if completions is None:  # the client hung up: its requests are cancelled, nobody reads an answer
             return Response(status_code=CLIENT_CLOSED_REQUEST)
-        return JSONResponse(formatter.response(completions, prompt_tokens, top, kv_usage(requests)))
+        cached = self._cached_tokens(requests, params.n)
+        return JSONResponse(
+            formatter.response(completions, prompt_tokens, top, kv_usage(requests), cached), headers=headers
+        )
 
     async def _parse(self, http: Request, model):
         declared = http.headers.get("content-length")
@@ -422,8 +434,6 @@ class _Handlers:
         return [self.core.encode(text, add_special_tokens=False)]  # the template holds the special tokens
 
     def _sampling(self, body, chat: bool, longest_prompt: int) -> SamplingParams:
-        if body.presence_penalty or body.frequency_penalty:
-            raise OpenAIError(400, "presence_penalty and frequency_penalty are not supported", param="presence_penalty")
         if not chat and body.echo:
             raise OpenAIError(400, "echo is not supported", param="echo")
         max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
@@ -447,6 +457,11 @@ class _Handlers:
                 n=body.n,
                 logprobs=logprobs,
                 ignore_eos=body.ignore_eos,
+                presence_penalty=body.presence_penalty,
+                frequency_penalty=body.frequency_penalty,
+                repetition_penalty=body.repetition_penalty,
+                min_p=body.min_p,
+                stop_token_ids=list(body.stop_token_ids or []),
             )
         except ValueError as error:
             raise OpenAIError(400, str(error)) from None
@@ -530,6 +545,11 @@ class _Handlers:
             completions.append(completion)
         return completions
 
+    def _cached_tokens(self, requests, n: int) -> int:
+        """Prompt tokens served from the prefix cache, counted once per prompt (its first choice,
+        as prompt_tokens counts each prompt once)."""
+        return sum(self.engine.cached_tokens(request) for request in requests if request.choice % n == 0)
+
     async def _stream(self, http, formatter: Formatter, requests, events, params, prompt_tokens, include_usage, top):
         texts = {request: IncrementalText(self.core.tokenizer, params.stop, self.core.eos) for request in requests}
         remaining = set(requests)
@@ -566,11 +586,35 @@ class _Handlers:
                     yield _sse(formatter.chunk(request.choice, None, item.finish_reason))
             if include_usage:
                 completion_tokens = sum(len(r.completion.token_ids) for r in requests)
-                yield _sse(formatter.usage_chunk(prompt_tokens, completion_tokens, kv_usage(requests)))
+                cached = self._cached_tokens(requests, params.n)
+                yield _sse(formatter.usage_chunk(prompt_tokens, completion_tokens, kv_usage(requests), cached))
             yield "data: [DONE]\n\n"
         finally:
             if remaining:  # the client went away (the generator was cancelled or closed)
                 self.engine.abort(list(remaining))
+
+
+def ignored_fields(body) -> list[str]:
+    """The fields of `body` that are accepted and ignored (`IGNORED_FIELDS`); a 400 naming the first
+    field that would change the answer in a way kvwise does not serve (`UNSUPPORTED_FIELDS`)."""
+    for name in UNSUPPORTED_FIELDS:
+        value = getattr(body, name)
+        if (
+            name in ("tool_choice", "function_call")
+            and value in ("none", "auto")
+            and not (body.tools or body.functions)
+        ):
+            continue  # "no tools" with no tools: nothing changes
+        if value:  # an empty list or map is the default
+            raise OpenAIError(400, f"`{name}` is not supported by this server", param=name, code="unsupported_field")
+    if body.response_format is not None and body.response_format.type != "text":
+        raise OpenAIError(
+            400,
+            f"response_format of type {body.response_format.type} is not supported (only text)",
+            param="response_format",
+            code="unsupported_field",
+        )
+    return [name for name in IGNORED_FIELDS if getattr(body, name) is not None]
 
 
 def kv_usage(requests) -> dict | list | None:

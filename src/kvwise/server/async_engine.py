@@ -220,9 +220,19 @@ class AsyncEngine:
         request with no shared segment (every isolated tenant's) or whose segment missed is never held."""
         if not self.shared_timing_pad or not isinstance(item, TokenEvent) or len(request.output) != 1:
             return 0.0
-        segment = request.shared_prefix_tokens // self.core.pool.block_size * self.core.pool.block_size
-        shared_hit_tokens = min(request.reused, segment)
+        shared_hit_tokens = self._shared_hit_tokens(request)
         return self.core.hit_pad_seconds(shared_hit_tokens) if shared_hit_tokens > 0 else 0.0
+
+    def _shared_hit_tokens(self, request: Request) -> int:
+        """Of the prompt tokens found in the prefix cache, those in its shared segment."""
+        segment = request.shared_prefix_tokens // self.core.pool.block_size * self.core.pool.block_size
+        return min(request.reused, segment)
+
+    def cached_tokens(self, request: Request) -> int:
+        """Prompt tokens found in the prefix cache, for `usage`. With timing padding on, hits in the
+        shared namespace are left out: the count would tell a client what the padding hides."""
+        hidden = self._shared_hit_tokens(request) if self.shared_timing_pad else 0
+        return request.reused - hidden
 
     def _hand_over(self, request: Request, events: asyncio.Queue, item, pad: float) -> None:
         """On the event loop: queue `item` for its handler, holding a padded request's events back

@@ -11,13 +11,15 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int, kv: dict | list | None = None) -> dict:
+def usage(prompt_tokens: int, completion_tokens: int, kv: dict | list | None = None, cached_tokens: int = 0) -> dict:
     """kv: the KV mix the request ran with (kvwise's extension; absent when it kept everything by
-    default), one entry, or one per choice when they differ."""
+    default), one entry, or one per choice when they differ. cached_tokens: prompt tokens found in
+    the prefix cache instead of computed (OpenAI's `prompt_tokens_details.cached_tokens`)."""
     body = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
     if kv is not None:
         body["kv"] = kv
@@ -36,7 +38,7 @@ class Formatter:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, completions, prompt_tokens: int, top_logprobs: int = 0, kv=None) -> dict:
+    def response(self, completions, prompt_tokens: int, top_logprobs: int = 0, kv=None, cached_tokens: int = 0) -> dict:
         """completions: CompletionOutputs, one per choice; kv: see `usage`."""
         choices = []
         for completion in completions:
@@ -49,7 +51,7 @@ class Formatter:
             choice["logprobs"] = logprobs
             choices.append(choice)
         body = self._envelope(sorted(choices, key=lambda c: c["index"]), chunk=False)
-        body["usage"] = usage(prompt_tokens, sum(len(c.token_ids) for c in completions), kv)
+        body["usage"] = usage(prompt_tokens, sum(len(c.token_ids) for c in completions), kv, cached_tokens)
         return body
 
     def chunk(
@@ -63,9 +65,9 @@ class Formatter:
             choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         return self._envelope([choice], chunk=True)
 
-    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, kv=None) -> dict:
+    def usage_chunk(self, prompt_tokens: int, completion_tokens: int, kv=None, cached_tokens: int = 0) -> dict:
         body = self._envelope([], chunk=True)
-        body["usage"] = usage(prompt_tokens, completion_tokens, kv)
+        body["usage"] = usage(prompt_tokens, completion_tokens, kv, cached_tokens)
         return body
 
     def logprobs(self, token_ids: list[int], logprobs: list[dict[int, float]] | None, top: int) -> dict | None:

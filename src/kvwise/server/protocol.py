@@ -75,6 +75,19 @@ class KVOptions(_Strict):
     kv_profile: str | None = Field(default=None, max_length=64)
 
 
+class ResponseFormat(BaseModel):
+    """Only `text` is served (and ignored: it is the default); a JSON format is refused by name."""
+
+    model_config = ConfigDict(extra="allow")  # json_schema carries its schema
+    type: Literal["text", "json_object", "json_schema"]
+
+
+# Fields common clients send that do not change the answer: accepted, ignored, and named in the
+# response's Warning header. Fields that would change it, which kvwise does not do: a 400 naming them.
+IGNORED_FIELDS = ("metadata", "store", "service_tier", "parallel_tool_calls", "response_format")
+UNSUPPORTED_FIELDS = ("tools", "functions", "tool_choice", "function_call", "logit_bias")
+
+
 class _Sampling(KVOptions):
     model: str
     temperature: float = 1.0
@@ -88,7 +101,20 @@ class _Sampling(KVOptions):
     ignore_eos: bool = False  # extension, as in vLLM
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0  # extension, as in vLLM
+    min_p: float = 0.0  # extension, as in vLLM
+    stop_token_ids: list[int] | None = Field(default=None, max_length=64)  # extension, as in vLLM
     user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = Field(default=None, max_length=64)
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    tools: list | None = None
+    functions: list | None = None
+    tool_choice: str | dict | None = None
+    function_call: str | dict | None = None
+    logit_bias: dict[str, float] | None = None
 
 
 class CompletionRequest(_Sampling):

@@ -82,3 +82,28 @@ def test_stop_token_ids_and_penalties(llm):
     # counting up repeats ", ": a frequency penalty breaks the pattern, the greedy path follows it
     penalized = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=2.0)
     assert llm.generate("1, 2, 3, 4,", penalized, use_tqdm=False)[0].outputs[0].token_ids != plain.token_ids
+
+
+def test_vllm_style_options_per_prompt_params_and_outputs(smollm):
+    model, tokenizer = smollm
+    llm = LLM(model, tokenizer=tokenizer, max_model_len=128, enable_prefix_caching=True, num_blocks=64, block_size=16)
+    try:
+        assert llm.cache_config.num_blocks == 64 and llm.cache_config.prefix_caching
+        with pytest.raises(ValueError, match="maximum context is 128"):
+            llm.generate("hello " * 120, SamplingParams(max_tokens=30), use_tqdm=False)
+        prompt = "Paris is the capital of France, a city of art, food and long walks by the river. " * 3
+        params = [SamplingParams(temperature=0, max_tokens=2), SamplingParams(temperature=0, max_tokens=5)]
+        first, second = llm.generate([prompt, prompt + " Paris"], params, use_tqdm=False)
+        assert [len(first.outputs[0].token_ids), len(second.outputs[0].token_ids)] == [2, 5]
+        assert first.finished and second.finished
+        again = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0]
+        assert again.num_cached_tokens >= 32 and first.num_cached_tokens == 0
+        assert again.outputs[0].token_ids == first.outputs[0].token_ids
+        with pytest.raises(ValueError, match="sampling_params has 1 entries for 2 prompts"):
+            llm.generate([prompt, prompt], [SamplingParams()], use_tqdm=False)
+        with pytest.raises(TypeError, match="unknown arguments"):
+            LLM(model, tokenizer=tokenizer, num_block=3)
+        with pytest.raises(ValueError, match="gpu_memory_utilization sizes a CUDA device"):
+            LLM(model, tokenizer=tokenizer, gpu_memory_utilization=0.5)
+    finally:
+        model.set_attn_implementation("kvwise")

@@ -35,7 +35,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--ratio", type=float, default=0.9)
     demo.add_argument("--model", default=None)
 
-    serve = commands.add_parser("serve", help="an OpenAI-compatible server on the engine")
+    serve = commands.add_parser(
+        "serve",
+        help="an OpenAI-compatible server on the engine",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    serve.add_argument("--version", action="version", version=f"kvwise {__version__}")
     add_serve_arguments(serve)
 
     check = commands.add_parser(
@@ -184,8 +189,15 @@ _COMMANDS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     try:
+        if getattr(args, "config", None):  # the file's values become defaults: flags given still win
+            from kvwise.server.serve import config_file_defaults
+
+            serve = parser._subparsers._group_actions[0].choices["serve"]
+            serve.set_defaults(**config_file_defaults(serve, args.config))
+            args = parser.parse_args(argv)
         status = _COMMANDS[args.command](args)
     except ValueError as error:
         print(f"kvwise: error: {error}", file=sys.stderr)

@@ -24,24 +24,52 @@ def token_bytes(model) -> int:
 
 
 def cache_config_for_budget(
-    model, budget_bytes: int, base: CacheConfig | None = None, longest_request: int | None = None
+    model,
+    budget_bytes: int,
+    base: CacheConfig | None = None,
+    longest_request: int | None = None,
+    pool_share: float = POOL_SHARE,
+    swap_bytes: int | None = None,
 ) -> CacheConfig:
     """`base` (default CacheConfig()) with its pool and swap sized from `budget_bytes`; ValueError
-    when the pool could not hold `longest_request` tokens (default: the model's context)."""
+    when the pool could not hold `longest_request` tokens (default: the model's context).
+    pool_share and swap_bytes: for a budget of device memory alone (CUDA), the pool takes it all
+    and host swap is sized apart."""
     base = base or CacheConfig()
     if budget_bytes <= 0:
         raise ValueError(f"the KV budget must be positive, got {budget_bytes} bytes")
     block_bytes = token_bytes(model) * base.block_size
-    num_blocks = int(budget_bytes * POOL_SHARE) // block_bytes
+    num_blocks = int(budget_bytes * pool_share) // block_bytes
     if longest_request is None:
         config = model.config.get_text_config(decoder=True)
         longest_request = getattr(config, "max_position_embeddings", None) or 0
     needed = -(-longest_request // base.block_size)
     if num_blocks < max(1, needed):
-        least = needed * block_bytes / POOL_SHARE
+        least = needed * block_bytes / pool_share
         raise ValueError(
             f"a KV budget of {budget_bytes / 2**30:.3f} GiB gives the pool {num_blocks} blocks of {base.block_size} "
             f"tokens, fewer than the longest request ({longest_request} tokens) needs; "
             f"give at least {least / 2**30:.3f} GiB"
         )
-    return replace(base, num_blocks=num_blocks, swap_space_bytes=int(budget_bytes * SWAP_SHARE))
+    swap = int(budget_bytes * SWAP_SHARE) if swap_bytes is None else swap_bytes
+    return replace(base, num_blocks=num_blocks, swap_space_bytes=swap)
+
+
+def kv_memory_for_utilization(device, utilization: float) -> int:
+    """The KV bytes that keep a CUDA device's memory use under `utilization` of its total, with
+    what is already allocated (the weights) counted, as vLLM's --gpu-memory-utilization."""
+    import torch
+
+    if not 0 < utilization <= 1:
+        raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {utilization}")
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise ValueError("gpu_memory_utilization sizes a CUDA device's memory; on CPU give kv_cache_memory in bytes")
+    free, total = torch.cuda.mem_get_info(device)
+    allowed = int(utilization * total) - (total - free)
+    if allowed <= 0:
+        raise ValueError(
+            f"gpu_memory_utilization {utilization} leaves no room for the KV cache: "
+            f"{(total - free) / 2**30:.2f} of {total / 2**30:.2f} GiB are in use already"
+        )
+    return allowed

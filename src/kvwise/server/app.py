@@ -60,6 +60,7 @@ class ServerSettings:
     fair_queue: bool = True  # each active tenant holds at most an equal share of the queue
     body_timeout_seconds: float = 30.0  # the longest pause while a client sends its body
     shared_timing_pad: bool = False  # hold a shared hit's first token as long as a miss would take
+    default_kv_quant: str | None = None  # --kv-cache-dtype: requests without KV settings store with it
 
     @property
     def metrics_keys(self) -> list[str]:
@@ -254,6 +255,8 @@ class _Handlers:
         if body.kv_prefix is not None and body.kv_prefix.compress is not None:
             kv, compress_upto = self._compression(body, chat, prompts, kv)
         auto = self._kv_auto(body, kv)
+        if kv is None and auto is None and self.settings.default_kv_quant is not None:
+            kv = KVSettings("full", 0.0, quant=self.settings.default_kv_quant)
         turns = sum(message.role == "user" for message in body.messages) if chat else 0
         requests = []
         for prompt_index, token_ids in enumerate(prompts):

@@ -47,10 +47,18 @@ def _optional_keys(path: str | None) -> list[bytes] | None:
 
 def read_server_keys(args) -> ServerKeys:
     """Every key file `args` names (and the namespace key, generated on first start)."""
-    from kvwise.server.api_keys import load_api_keys
+    from kvwise.server.api_keys import KeyEntry, load_api_keys
 
+    single = getattr(args, "api_key", None)
+    if single and args.api_keys:
+        raise ValueError(
+            "--api-key (or KVWISE_API_KEY) is one key for everything: leave out --api-keys, or use only it"
+        )
+    api_keys = load_api_keys(args.api_keys) if args.api_keys else None
+    if single:  # vLLM's --api-key: tenant `default`, every permission
+        api_keys = {single: KeyEntry("default", admin=True, shared_read=True, shared_write=True)}
     return ServerKeys(
-        api_keys=load_api_keys(args.api_keys) if args.api_keys else None,
+        api_keys=api_keys,
         namespace=load_or_create_keys(args.namespace_key_file, "namespace"),
         disk_encryption=_optional_keys(args.disk_key_file),
         redis_hmac=_optional_keys(getattr(args, "redis_hmac_key_file", None)),

@@ -6,31 +6,96 @@ ones (streams included) for up to --shutdown-timeout seconds, then the engine dr
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import logging
+import os
+import re
 from pathlib import Path
 
 from kvwise.engine.config import CacheConfig
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+API_KEY_ENVIRONMENT = "KVWISE_API_KEY"
+DEFAULT_CPU_KV_MEMORY = 2 << 30  # capped further at a quarter of free RAM, so several servers fit
+DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9}
+_UNITS.update({"gib": 2**30, "t": 1e12, "tb": 1e12, "tib": 2**40})
+
+
+def parse_bytes(text: str) -> int:
+    """Bytes from `123`, `512MiB`, `4GiB`, `1.5GB` (case-insensitive)."""
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    unit = match.group(2).lower() if match else None
+    if match is None or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size in bytes: {text!r} (e.g. 4GiB, 512MiB, 1073741824)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
 log = logging.getLogger("kvwise.server")
 
 
 def add_serve_arguments(parser) -> None:
+    parser.add_argument(
+        "model_tag", nargs="?", default=None, metavar="MODEL", help="HF hub id or local directory (as --model)"
+    )
     parser.add_argument("--model", default=None, help="HF hub id or local directory (default: embedded SmolLM2)")
     parser.add_argument("--served-model-name", default=None, help="the name clients send as `model`")
+    parser.add_argument("--config", default=None, help="a YAML file of flags (keys as the flags, - or _); flags win")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--api-keys", default=None, help="file of `KEY TENANT [shared]` lines; none: no auth")
+    parser.add_argument("--api-keys", default=None, help="file of `KEY TENANT [PERMISSION ...]` lines; none: no auth")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENVIRONMENT) or None,
+        help=f"one key for everything (tenant `default`, every permission; or {API_KEY_ENVIRONMENT}); "
+        "not with --api-keys",
+    )
     parser.add_argument("--max-queue", type=int, default=256, help="waiting requests before answering 429")
     parser.add_argument("--device", default="auto")
     parser.add_argument("--dtype", default=None, help="float32, bfloat16 or float16 (default: per device)")
-    parser.add_argument("--block-size", type=int, default=CacheConfig.block_size)
-    parser.add_argument("--num-blocks", type=int, default=CacheConfig.num_blocks)
-    parser.add_argument("--token-budget", type=int, default=CacheConfig.token_budget)
-    parser.add_argument("--max-running", type=int, default=CacheConfig.max_running)
-    parser.add_argument("--no-prefix-caching", action="store_true")
-    parser.add_argument("--swap-space-gb", type=float, default=4.0, help="host memory for preempted requests' KV")
+    parser.add_argument(
+        "--max-model-len", type=int, default=None, help="longest prompt and output (default: the model's)"
+    )
+    memory = parser.add_argument_group("KV memory")
+    memory.add_argument(
+        "--kv-cache-memory",
+        type=parse_bytes,
+        default=None,
+        help="all the KV memory, in bytes (4GiB, 512MiB, ...): pool, host swap and quantized blocks; sizes the pool "
+        "(default on CPU: the smaller of 2 GiB and a quarter of free RAM; on CUDA: --gpu-memory-utilization 0.9)",
+    )
+    memory.add_argument(
+        "--gpu-memory-utilization", type=float, default=None, help="CUDA: the share of the device's memory to use"
+    )
+    memory.add_argument("--num-blocks", type=int, default=None, help="a fixed pool size in blocks (overrides both)")
+    memory.add_argument("--block-size", type=int, default=CacheConfig.block_size)
+    memory.add_argument(
+        "--kv-cache-dtype",
+        default=None,
+        help="store every request's KV with this quantizer (kivi2, kivi4, int8, fp8) unless it asks otherwise",
+    )
+    parser.add_argument(
+        "--max-num-batched-tokens",
+        "--token-budget",
+        dest="token_budget",
+        type=int,
+        default=CacheConfig.token_budget,
+        help="tokens computed per step",
+    )
+    parser.add_argument(
+        "--max-num-seqs", "--max-running", dest="max_running", type=int, default=CacheConfig.max_running
+    )
+    parser.add_argument(
+        "--enable-prefix-caching", dest="prefix_caching", action=argparse.BooleanOptionalAction, default=True
+    )
+    parser.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false", help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--swap-space-gb",
+        type=float,
+        default=None,
+        help="host memory for preempted requests' KV (default: 4 with --num-blocks, else a share of the KV memory)",
+    )
     parser.add_argument(
         "--prefix-quota-blocks",
         type=int,
@@ -136,6 +201,39 @@ def add_serve_arguments(parser) -> None:
     )
 
 
+def config_file_defaults(parser, path: str) -> dict:
+    """The flags a --config YAML file sets, as parser defaults (so flags on the command line win).
+    Keys are the flags' names, with - or _; unknown keys and bad values raise ValueError."""
+    import yaml
+
+    try:
+        data = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as error:
+        raise ValueError(f"--config {path}: cannot read it: {error}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"--config {path}: expected a mapping of flag names to values")
+    actions = {}  # every spelling of a flag (max-num-seqs, max_running, ...) -> its action
+    for action in parser._actions:
+        if action.dest not in ("help", "version", "config"):
+            for name in (action.dest, *action.option_strings):
+                actions[name.lstrip("-").replace("-", "_")] = action
+    defaults = {}
+    for key, value in data.items():
+        dest = str(key).strip().lstrip("-").replace("-", "_")
+        action = actions.get(dest)
+        if action is None:
+            raise ValueError(f"--config {path}: unknown key {key!r} (keys are serve's flags, e.g. max-model-len)")
+        if isinstance(value, str) and action.type is not None:
+            try:
+                value = action.type(value)
+            except (TypeError, ValueError, argparse.ArgumentTypeError) as error:
+                raise ValueError(f"--config {path}: {key}: {error}") from None
+        if action.choices is not None and value not in action.choices:
+            raise ValueError(f"--config {path}: {key} must be one of {list(action.choices)}, got {value!r}")
+        defaults[action.dest] = list(value) if isinstance(action, argparse._AppendAction) else value
+    return defaults
+
+
 def build_app(args):
     """The app for parsed `serve` arguments (also used by tests, without uvicorn's CLI)."""
     from kvwise.engine.core import EngineCore
@@ -147,27 +245,39 @@ def build_app(args):
     server_keys = read_server_keys(args)
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    model_name = model_flag(args)
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise ValueError(f"--max-model-len must be positive, got {args.max_model_len}")
     cache = CacheConfig(
         block_size=args.block_size,
-        num_blocks=args.num_blocks,
+        num_blocks=args.num_blocks or CacheConfig.num_blocks,  # sized from memory below unless given
         token_budget=args.token_budget,
         max_running=args.max_running,
-        prefix_caching=not args.no_prefix_caching,
-        swap_space_bytes=int(args.swap_space_gb * (1 << 30)),
+        prefix_caching=args.prefix_caching,
+        swap_space_bytes=int((4.0 if args.swap_space_gb is None else args.swap_space_gb) * (1 << 30)),
         prefix_quota_blocks=args.prefix_quota_blocks,
         fair_prefix_shares=not args.no_fair_prefix_shares,
     )
     kv_quant_options = parse_kv_quant_options(args.kv_quant_options)
+    default_quant = kv_cache_dtype(args, kv_quant_options)
     adaptive = adaptive_config(args, kv_quant_options)  # flags checked before the model loads
+    budget = kv_memory_flag(args)
     tiers = prefix_tiers(args, server_keys)
-    model, tokenizer = load_model(args.model, device=args.device, dtype=args.dtype)
-    name = args.served_model_name or (EMBEDDED_NAME if args.model is None else Path(args.model.rstrip("/")).name)
-    if args.kv_budget_gb is not None:
-        from kvwise.engine.kv_budget import cache_config_for_budget
-
-        cache = cache_config_for_budget(model, int(args.kv_budget_gb * (1 << 30)), cache)
+    model, tokenizer = load_model(model_name, device=args.device, dtype=args.dtype)
+    name = args.served_model_name or (EMBEDDED_NAME if model_name is None else Path(model_name.rstrip("/")).name)
+    cache = size_pool(args, model, cache, budget)
     controller = adaptive_controller(args, adaptive, model, tokenizer) if adaptive is not None else None
     core = EngineCore(model, tokenizer, cache, tiers, namespace_key=server_keys.namespace)
+    if args.max_model_len is not None:
+        core.max_positions = min(args.max_model_len, core.max_positions or args.max_model_len)
+    log.info(
+        "KV pool: %d blocks of %d tokens (%.2f GiB), host swap %.2f GiB, longest request %s tokens",
+        cache.num_blocks,
+        cache.block_size,
+        cache.num_blocks * core.kv.storage.block_bytes / 2**30,
+        cache.swap_space_bytes / 2**30,
+        core.max_positions,
+    )
     if controller is not None:
         core.attach_controller(controller)
     settings = ServerSettings(
@@ -183,8 +293,80 @@ def build_app(args):
         fair_queue=not args.no_fair_queue,
         body_timeout_seconds=args.body_timeout,
         shared_timing_pad=args.shared_timing_pad,
+        default_kv_quant=default_quant,
     )
     return create_app(core, settings)
+
+
+def model_flag(args) -> str | None:
+    """The model: positional (as vLLM's `serve MODEL`) or --model; both only when they agree."""
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models: {args.model_tag!r} and --model {args.model!r}; give one")
+    return args.model_tag or args.model
+
+
+def kv_memory_flag(args) -> int | None:
+    """Bytes from --kv-cache-memory or --kv-budget-gb (one knob, two spellings), or None."""
+    budget = args.kv_cache_memory
+    if args.kv_budget_gb is not None:
+        if args.kv_budget_gb <= 0:
+            raise ValueError(f"--kv-budget-gb must be positive, got {args.kv_budget_gb}")
+        gb = int(args.kv_budget_gb * (1 << 30))
+        if budget is not None and budget != gb:
+            raise ValueError("--kv-cache-memory and --kv-budget-gb are one knob: give one")
+        budget = gb
+    if budget is not None and budget <= 0:
+        raise ValueError(f"--kv-cache-memory must be positive, got {budget}")
+    if args.num_blocks is not None and (budget is not None or args.gpu_memory_utilization is not None):
+        raise ValueError(
+            "--num-blocks fixes the pool: leave out --kv-cache-memory, --kv-budget-gb and --gpu-memory-utilization"
+        )
+    return budget
+
+
+def size_pool(args, model, cache: CacheConfig, budget: int | None) -> CacheConfig:
+    """The pool from --num-blocks, else from KV memory: --kv-cache-memory (pool, swap and quantized
+    blocks together), --gpu-memory-utilization (CUDA: device memory for the pool alone), or the
+    default (CPU: the smaller of 2 GiB and a quarter of free RAM; CUDA: 0.9 utilization)."""
+    from kvwise.engine.kv_budget import cache_config_for_budget, kv_memory_for_utilization
+
+    if args.num_blocks is not None:
+        return cache
+    longest = args.max_model_len
+    swap = None if args.swap_space_gb is None else int(args.swap_space_gb * (1 << 30))
+    if budget is None and (args.gpu_memory_utilization is not None or model.device.type == "cuda"):
+        utilization = args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
+        device_bytes = kv_memory_for_utilization(model.device, utilization)
+        return cache_config_for_budget(
+            model, device_bytes, cache, longest, pool_share=1.0, swap_bytes=cache.swap_space_bytes
+        )
+    if budget is None:
+        budget = min(DEFAULT_CPU_KV_MEMORY, _available_memory() // 4)
+    return cache_config_for_budget(model, budget, cache, longest, swap_bytes=swap)
+
+
+def _available_memory() -> int:
+    """Free RAM (Linux's MemAvailable, else what sysconf says is free)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_cache_dtype(args, kv_quant_options) -> str | None:
+    """--kv-cache-dtype: the quantizer every request without KV settings of its own stores with."""
+    if args.kv_cache_dtype is None:
+        return None
+    name = args.kv_cache_dtype.strip()
+    if name not in kv_quant_options:
+        enabled = ", ".join(kv_quant_options) or "none"
+        raise ValueError(
+            f"--kv-cache-dtype {name!r} is not among the enabled quantizers ({enabled}; --kv-quant-options)"
+        )
+    return name
 
 
 def adaptive_config(args, kv_quant_options):
@@ -243,7 +425,7 @@ def prefix_tiers(args, keys=None) -> list:
         raise ValueError("--host-cache-gb must be >= 0 and --disk-cache-gb > 0")
     if args.disk_cache_gb is not None and not args.disk_cache:
         raise ValueError("--disk-cache-gb bounds --disk-cache DIR: give the directory too")
-    if (args.host_cache_gb or args.disk_cache or args.redis_url) and args.no_prefix_caching:
+    if (args.host_cache_gb or args.disk_cache or args.redis_url) and not args.prefix_caching:
         raise ValueError("--host-cache-gb, --disk-cache and --redis-url hold prefix blocks: drop --no-prefix-caching")
     if args.host_cache_gb:
         from kvwise.tiers.host import HostTier
@@ -295,9 +477,10 @@ def run_server(args) -> None:
 
     from kvwise.server.key_files import install_key_reload
 
+    # before the model loads: what loading and sizing the pool log is seen
+    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     app = build_app(args)
     install_key_reload(app, args)
-    logging.basicConfig(level=args.log_level.upper(), format="%(levelname)s %(name)s: %(message)s")
     print(f"kvwise: serving on http://{args.host}:{args.port}/v1 (Ctrl-C stops after running requests finish)")
     config = uvicorn.Config(
         app,

@@ -54,3 +54,16 @@ def test_a_stale_torch_lock_is_cleared_under_our_lock(fresh, monkeypatch):
 def test_switched_off_by_the_environment(fresh, monkeypatch):
     monkeypatch.setenv("KVWISE_CPU_KERNEL", "0")
     assert cpu_kernel.paged_decode_kernel() is None
+
+
+def test_build_kernels_command_says_what_decode_runs_on(capsys, monkeypatch):
+    from kvwise.cli import main
+    from kvwise.engine.cpu_kernel import cpu_kernels
+
+    built = cpu_kernels() is not None
+    assert main(["build-kernels"]) == (0 if built else 1)
+    said = capsys.readouterr().out
+    assert ("CPU kernels ready" in said) if built else ("SDPA" in said)
+    monkeypatch.setenv("KVWISE_CPU_KERNEL", "0")
+    assert main(["build-kernels"]) in (0, 1)
+    assert "CPU kernels off (KVWISE_CPU_KERNEL=0)" in capsys.readouterr().out

@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
 
     commands.add_parser("policies", help="list the eviction policies")
+    commands.add_parser("build-kernels", help="build the CPU decode kernels now (the server otherwise builds them)")
 
     generate = commands.add_parser("generate", help="generate with a compressed KV cache")
     generate.add_argument("--prompt", help="the prompt text")
@@ -177,7 +178,15 @@ def _command_serve(args) -> None:
     run_server(args)
 
 
+def _command_build_kernels(args) -> int:
+    from kvwise.engine.cpu_kernel import cpu_kernels, kernel_status
+
+    print(f"kvwise: {kernel_status()}")
+    return 0 if cpu_kernels() is not None else 1
+
+
 _COMMANDS = {
+    "build-kernels": _command_build_kernels,
     "policies": _command_policies,
     "generate": _command_generate,
     "demo": _command_demo,

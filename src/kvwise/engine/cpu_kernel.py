@@ -51,14 +51,21 @@ def cpu_kernels():
     build = kvwise_home() / "kernels" / _digest(FLAGS)
     failed = build / "FAILED"
     if failed.exists():
-        warnings.warn(f"kvwise: using SDPA; the CPU kernels failed to build before (see {failed})", stacklevel=2)
+        warnings.warn(
+            f"kvwise: using SDPA (decode several times slower); the CPU kernels failed to build before (see {failed})",
+            stacklevel=2,
+        )
         return None
     try:
         return build_kernel(FLAGS, build)
     except Exception as error:  # no compiler, no headers, no ninja: SDPA still works
         with contextlib.suppress(OSError):  # an unwritable $KVWISE_HOME: just retry next time
             failed.write_text(f"{error}\n\nDelete this file to try again.\n")
-        warnings.warn(f"kvwise: the CPU kernels could not be built, using SDPA ({failed})", stacklevel=2)
+        warnings.warn(
+            f"kvwise: the CPU kernels could not be built (a C++ compiler and ninja are needed: "
+            f"pip install 'kvwise[server]'); using SDPA, decode several times slower ({failed})",
+            stacklevel=2,
+        )
         return None
 
 
@@ -144,3 +151,18 @@ def _put_ninja_on_path() -> None:
     directory = getattr(ninja, "BIN_DIR", "")
     if directory and directory not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = directory + os.pathsep + os.environ.get("PATH", "")
+
+
+def kernel_status() -> str:
+    """One line on what decode runs on this machine: the kernels (built now if they were not), or
+    why SDPA (for `kvwise build-kernels` and the server's startup)."""
+    if os.environ.get("KVWISE_CPU_KERNEL", "1") == "0":
+        return "CPU kernels off (KVWISE_CPU_KERNEL=0): decode uses SDPA"
+    if not _has_vector_units():
+        return "this CPU has no AVX2/FMA: decode uses SDPA and torch's linear"
+    module = cpu_kernels()
+    if module is None:
+        return (
+            f"CPU kernels unavailable (see {kvwise_home() / 'kernels' / _digest(FLAGS) / 'FAILED'}): decode uses SDPA"
+        )
+    return f"CPU kernels ready: {Path(module.__file__).parent}"

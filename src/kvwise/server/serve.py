@@ -264,6 +264,10 @@ def build_app(args):
     budget = kv_memory_flag(args)
     tiers = prefix_tiers(args, server_keys)
     model, tokenizer = load_model(model_name, device=args.device, dtype=args.dtype)
+    if model.device.type == "cpu":  # built (or found) now, before /health answers: never on a first request
+        from kvwise.engine.cpu_kernel import kernel_status
+
+        log.info("%s", kernel_status())
     name = args.served_model_name or (EMBEDDED_NAME if model_name is None else Path(model_name.rstrip("/")).name)
     cache = size_pool(args, model, cache, budget)
     controller = adaptive_controller(args, adaptive, model, tokenizer) if adaptive is not None else None

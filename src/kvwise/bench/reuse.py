@@ -167,7 +167,7 @@ def _redis_tier(config: ReuseConfig, scratch: Path, tiers: dict):
 
     server, url = None, config.redis_url
     if url is None:
-        from kvwise.tiers.local_redis import start_redis
+        from kvwise.bench.redis_launcher import start_redis
 
         try:
             server = start_redis(scratch / "redis")

@@ -5,9 +5,12 @@ from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.llm import LLM, CacheConfig
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import KVWiseCache
+from kvwise.hf.pipeline import register as _register_pipeline
 from kvwise.kv.quantizer import make_quantizer, quantizer_names
 from kvwise.models import load_model
 from kvwise.policies.registry import make_policy, policy_names
+
+_register_pipeline()  # pipeline("kvwise-text-generation", ...), as kvpress's
 
 __all__ = [
     "LLM",

@@ -11,10 +11,14 @@ For any other cache (or none) it behaves like transformers' SDPA attention.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.nn.functional as F
 
 ATTENTION_NAME = "kvwise"
+
+log = logging.getLogger("kvwise")
 
 
 def register_attention() -> None:
@@ -27,11 +31,19 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
-def use_kvwise_attention(model) -> None:
-    """Switch `model` to the kvwise attention function (a no-op when it already uses it)."""
+def use_kvwise_attention(model) -> str | None:
+    """Switch `model` to the kvwise attention function (a no-op when it already uses it); returns
+    the implementation it used before (for `KVWiseCache.restore_attention`)."""
     register_attention()
-    if model.config._attn_implementation != ATTENTION_NAME:
+    previous = model.config._attn_implementation
+    if previous != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
+        log.info(
+            "switched %s to kvwise attention (was %s; cache.restore_attention() switches back)",
+            type(model).__name__,
+            previous,
+        )
+    return previous
 
 
 def kvwise_attention(

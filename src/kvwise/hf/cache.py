@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
-from kvwise.hf.attention import use_kvwise_attention
+from kvwise.hf.attention import ATTENTION_NAME, use_kvwise_attention
 from kvwise.hf.geometry import kv_geometry
 from kvwise.hf.layer import CompressingLayer
 from kvwise.hf.rope import query_rotator
@@ -93,7 +93,14 @@ class KVWiseCache(Cache):
         super().__init__(layers=layers)
         self.compressing_layers = [layer for layer in layers if isinstance(layer, CompressingLayer)]
         self._layer_rank = {id(layer): rank for rank, layer in enumerate(self.compressing_layers)}
-        use_kvwise_attention(model)
+        # kvwise attention reads per-head lengths and masks; the model's own attention does not
+        self.previous_attention = use_kvwise_attention(model)
+
+    def restore_attention(self) -> None:
+        """Switch the model back to the attention implementation it had before this cache (eager,
+        sdpa, ...). Another KVWiseCache, or one in use, needs kvwise attention again."""
+        if self.previous_attention not in (None, ATTENTION_NAME):
+            self.model.set_attn_implementation(self.previous_attention)
 
     @classmethod
     def from_preset(cls, model, name: str, tokenizer=None, **overrides) -> KVWiseCache:

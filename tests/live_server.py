@@ -52,10 +52,11 @@ class LiveServer:
         answer = httpx.get(f"{self.base_url}/metrics", headers=headers, timeout=10)
         answer.raise_for_status()
         text = answer.text
-        return {
-            (sample.name, tuple(sorted(sample.labels.items()))): sample.value
-            for family in text_string_to_metric_families(text)
-            for sample in family.samples
+        samples = [sample for family in text_string_to_metric_families(text) for sample in family.samples]
+        assert all("model_name" in sample.labels for sample in samples), "a series without model_name"
+        return {  # looked up without the model_name every series carries
+            (sample.name, tuple(sorted((k, v) for k, v in sample.labels.items() if k != "model_name"))): sample.value
+            for sample in samples
         }
 
     def value(self, name: str, **labels) -> float:

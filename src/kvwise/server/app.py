@@ -123,7 +123,7 @@ def check_json_values(data, max_depth: int = 64) -> None:
 
 
 def create_app(core: EngineCore, settings: ServerSettings) -> FastAPI:
-    metrics = ServerMetrics(core, settings.metrics_per_tenant, settings.metrics_max_tenants)
+    metrics = ServerMetrics(core, settings.metrics_per_tenant, settings.metrics_max_tenants, settings.model_name)
     tenants = len({entry.tenant for entry in (settings.api_keys or {}).values()}) or 1
     engine = AsyncEngine(
         core,

@@ -3,6 +3,8 @@
 Counters and histograms are updated by the engine thread as requests are admitted, produce
 tokens and finish; gauges of state (pool, queue, tree) are read when Prometheus scrapes.
 Prefix-cache queries and hits are labelled by tenant only when asked (`--metrics-per-tenant`).
+Every series carries a `model_name` label (the served model's name), as vLLM's do, so one
+Prometheus can scrape several servers. Each series is described in docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ class ServerMetrics:
     tenant's prompt and hit volumes); at most `max_tenants` tenants get a label of their own, the
     rest count as "other", so the label set stays bounded whatever names clients bring."""
 
-    def __init__(self, core: EngineCore, per_tenant: bool = False, max_tenants: int = 32):
-        self.per_tenant, self.max_tenants = per_tenant, max_tenants
+    def __init__(self, core: EngineCore, per_tenant: bool = False, max_tenants: int = 32, model_name: str = ""):
+        self.per_tenant, self.max_tenants, self.model_name = per_tenant, max_tenants, model_name
         self._labelled: set[str] = set()
         disable_created_metrics()  # no `_created` twin for every counter: half the text, same information
         self.core = core
@@ -54,6 +56,25 @@ class ServerMetrics:
             buckets=LATENCY_BUCKETS,
             registry=registry,
         )
+        self.e2e = Histogram(
+            "kvwise_e2e_request_latency_seconds",
+            "Arrival to the last output token, per finished request",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.queue_time = Histogram(
+            "kvwise_request_queue_time_seconds",
+            "Arrival to first admission (time spent waiting for a slot and memory)",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self.inter_token = Histogram(
+            "kvwise_inter_token_latency_seconds",
+            "Time between two consecutive output tokens of a request",
+            buckets=LATENCY_BUCKETS,
+            registry=registry,
+        )
+        self._last_token: dict[str, float] = {}  # request id -> when its previous token came
         self.requests = Counter("kvwise_requests", "Requests by outcome", ["outcome"], registry=registry)
         self.rejected = self.requests.labels("rejected_queue_full")
         self.prompt_tokens = Counter("kvwise_prompt_tokens", "Prompt tokens admitted", registry=registry)
@@ -66,6 +87,7 @@ class ServerMetrics:
         """Count a request's prefix lookup once, at its first admission (not again after a preemption)."""
         if request.request_id not in self._counted:
             self._counted.add(request.request_id)
+            self.queue_time.observe(max(0.0, time.monotonic() - request.arrival))
             tenant = self.tenant_label(request.tenant)
             self.queries.labels(tenant).inc(len(request.prompt))
             self.hits.labels(tenant).inc(request.reused)
@@ -83,22 +105,45 @@ class ServerMetrics:
         request = event.request
         if event.finish_reason == "error":  # no token: the request failed (counted as failed on delivery)
             self._counted.discard(request.request_id)
+            self._last_token.pop(request.request_id, None)
             return
         self.generated_tokens.inc()
+        now = time.monotonic()
         if len(request.output) == 1 and request.first_token_time is not None:
             self.ttft.observe(request.first_token_time - request.arrival)
+        previous = self._last_token.get(request.request_id)
+        if previous is not None:
+            self.inter_token.observe(now - previous)
+        self._last_token[request.request_id] = now
         if event.finish_reason is not None:
             self.requests.labels(f"finished_{event.finish_reason}").inc()
             if len(request.output) > 1:
                 self.tpot.observe((request.finish_time - request.first_token_time) / (len(request.output) - 1))
+            self.e2e.observe((request.finish_time or now) - request.arrival)
             self._counted.discard(request.request_id)
+            self._last_token.pop(request.request_id, None)
 
     def on_cancelled(self, request: Request) -> None:
         self.requests.labels("cancelled").inc()
         self._counted.discard(request.request_id)
+        self._last_token.pop(request.request_id, None)
 
     def render(self) -> bytes:
-        return generate_latest(self.registry)
+        return generate_latest(_ModelLabelled(self.registry, self.model_name))
+
+
+class _ModelLabelled:
+    """The registry's series, each with a `model_name` label added."""
+
+    def __init__(self, registry: CollectorRegistry, model_name: str):
+        self.registry, self.model_name = registry, model_name
+
+    def collect(self):
+        for family in self.registry.collect():
+            family.samples = [
+                sample._replace(labels={"model_name": self.model_name, **sample.labels}) for sample in family.samples
+            ]
+            yield family
 
 
 class _StateCollector:
@@ -161,6 +206,11 @@ class _StateCollector:
         blocks.add_metric(["used"], kv.used_blocks)
         blocks.add_metric(["prefix_cached"], kv.prefix_cached_blocks)
         yield blocks
+        yield GaugeMetricFamily(
+            "kvwise_kv_cache_usage_ratio",
+            "Share of the device KV pool's blocks in use (prefix-cached blocks that can be evicted count as free)",
+            value=kv.used_blocks / max(1, kv.used_blocks + kv.free_blocks),
+        )
         evictions = CounterMetricFamily("kvwise_prefix_cache_evictions_blocks", "Blocks evicted from the prefix cache")
         evictions.add_metric([], kv.prefix_evictions)
         yield evictions

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import time
 
 import openai
 import pytest
@@ -95,6 +96,9 @@ def test_a_server_started_the_vllm_way(tmp_path):
         str(config),
         "--log-level",
         "info",
+        "--log-requests",
+        "--log-stats-interval",
+        "1",
     )
     try:
         name = "SmolLM2-135M-Instruct"
@@ -106,8 +110,13 @@ def test_a_server_started_the_vllm_way(tmp_path):
         assert "kivi4" in reply.usage.kv["mix"]  # the server-wide KV dtype
         with pytest.raises(openai.APIStatusError, match="maximum context is 4096"):
             api.completions.create(model=name, prompt=[1] * 4095, max_tokens=8)
+        time.sleep(1.2)  # a stats line follows the first step after its interval
+        api.completions.create(model=name, prompt="The sky is", max_tokens=2, temperature=0)
     finally:
         assert server.stop() == 0
     log = server.process.stdout.read()
     # 512 MiB of KV memory, 70% of it the pool: 509 blocks of 16 float32 SmolLM2 tokens (720 KiB each)
     assert "KV pool: 509 blocks of 16 tokens" in log, log[-2000:]
+    assert "engine: prompt" in log and "tok/s" in log  # the periodic stats line
+    assert "outcome=length" in log and "prompt_tokens=" in log  # one line per request...
+    assert "The sky is" not in log  # ...without its text unless --log-request-text

@@ -39,6 +39,7 @@ from kvwise.server.protocol import (
     CompletionRequest,
     OpenAIError,
 )
+from kvwise.server.stats_log import StatsLog
 
 SHARED_PREFIX_HEADER = "x-kvwise-shared-prefix"
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left before the answer (never sent)
@@ -61,6 +62,9 @@ class ServerSettings:
     body_timeout_seconds: float = 30.0  # the longest pause while a client sends its body
     shared_timing_pad: bool = False  # hold a shared hit's first token as long as a miss would take
     default_kv_quant: str | None = None  # --kv-cache-dtype: requests without KV settings store with it
+    log_stats_interval: float = 0.0  # seconds between the engine's stats lines (0: none)
+    log_requests: bool = False  # a line per finished request: ids, lengths, timings, outcome
+    log_request_text: bool = False  # with the prompt's and output's text in it
 
     @property
     def metrics_keys(self) -> list[str]:
@@ -132,6 +136,7 @@ def create_app(core: EngineCore, settings: ServerSettings) -> FastAPI:
         fair=settings.fair_queue,
         shared_timing_pad=settings.shared_timing_pad,
         tenants=tenants,
+        stats_log=StatsLog(core, settings.log_stats_interval, settings.log_requests, settings.log_request_text),
     )
 
     @asynccontextmanager

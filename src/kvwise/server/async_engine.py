@@ -17,6 +17,7 @@ from kvwise.engine.core import EngineCore, TokenEvent
 from kvwise.engine.request import Request, Status
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.protocol import OpenAIError
+from kvwise.server.stats_log import StatsLog
 
 log = logging.getLogger("kvwise.server")
 
@@ -34,6 +35,7 @@ class AsyncEngine:
         fair: bool = True,
         shared_timing_pad: bool = False,
         tenants: int = 1,
+        stats_log: StatsLog | None = None,
     ):
         """fair: each active tenant may hold at most an equal share of the queue, so one tenant
         cannot fill it; the tenant over its share gets the 429. shared_timing_pad: a request that
@@ -45,6 +47,8 @@ class AsyncEngine:
         self.tenants = tenants
         self._held: dict[Request, list] = {}  # padded requests' events, released after their pad
         self.metrics = metrics or ServerMetrics(core)
+        self.stats_log = stats_log or StatsLog(core, interval_seconds=0)
+        core.scheduler.on_admit.append(self._count_admission)
         self.accepting = True
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._pending_adds = 0  # requests handed to the thread and not yet in the scheduler
@@ -163,10 +167,19 @@ class AsyncEngine:
             self._wake.wait(0.05)
             self._wake.clear()
             return True
-        for event in self.core.step():
+        events = self.core.step()
+        for event in events:
             self.metrics.on_token(event)
             self._deliver(event.request, event)
+            if event.finish_reason is not None:
+                self.stats_log.finished(event.request, event.finish_reason)
+        self.stats_log.generated(sum(event.finish_reason != "error" for event in events))
+        self.stats_log.maybe_log()
         return True
+
+    def _count_admission(self, request: Request) -> None:
+        if not request.preemptions:  # once per request, not again after a preemption
+            self.stats_log.admitted(request)
 
     def _apply_commands(self) -> None:
         while True:
@@ -188,6 +201,7 @@ class AsyncEngine:
                 elif not request.done:
                     self.core.abort(request)
                     self.metrics.on_cancelled(request)
+                    self.stats_log.finished(request, "cancelled")
                     self._queues.pop(request, None)
 
     def _fail_all(self, error: Exception) -> None:

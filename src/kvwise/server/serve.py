@@ -170,6 +170,15 @@ def add_serve_arguments(parser) -> None:
         "--body-timeout", type=float, default=30.0, help="seconds a client may pause while sending a request body"
     )
     parser.add_argument("--log-level", default="info")
+    parser.add_argument(
+        "--log-stats-interval", type=float, default=10.0, help="seconds between engine stats lines (0: none)"
+    )
+    parser.add_argument(
+        "--log-requests", action="store_true", help="a line per finished request: ids, lengths, timings, outcome"
+    )
+    parser.add_argument(
+        "--log-request-text", action="store_true", help="with --log-requests: the prompt and output text too"
+    )
     adaptive = parser.add_argument_group("adaptive KV (kv-policy auto)")
     adaptive.add_argument(
         "--kv-policy",
@@ -298,6 +307,9 @@ def build_app(args):
         body_timeout_seconds=args.body_timeout,
         shared_timing_pad=args.shared_timing_pad,
         default_kv_quant=default_quant,
+        log_stats_interval=args.log_stats_interval,
+        log_requests=args.log_requests or args.log_request_text,
+        log_request_text=args.log_request_text,
     )
     return create_app(core, settings)
 

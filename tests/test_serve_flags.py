@@ -120,3 +120,18 @@ def test_a_server_started_the_vllm_way(tmp_path):
     assert "engine: prompt" in log and "tok/s" in log  # the periodic stats line
     assert "outcome=length" in log and "prompt_tokens=" in log  # one line per request...
     assert "The sky is" not in log  # ...without its text unless --log-request-text
+
+
+def test_every_flag_is_documented():
+    from pathlib import Path
+
+    documented = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    _, serve = _serve_parser()
+    missing = [
+        option
+        for action in serve._actions
+        if action.help != argparse.SUPPRESS
+        for option in action.option_strings
+        if f"`{option}`" not in documented and option not in ("-h", "--help")
+    ]
+    assert not missing, f"flags missing from docs/configuration.md: {missing}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
@@ -49,6 +50,14 @@ def server(tmp_path_factory):
     )
     yield live
     assert live.stop() == 0
+
+
+def _series(sample: str) -> str:
+    """The series a Prometheus sample belongs to: without _total, _bucket, _sum or _count."""
+    for suffix in ("_total", "_bucket", "_sum", "_count"):
+        if sample.endswith(suffix):
+            return sample.removesuffix(suffix)
+    return sample
 
 
 def client(server, tenant="alice", **options) -> openai.OpenAI:
@@ -276,6 +285,9 @@ def test_metrics_need_an_admin_key(server):
     bob = {"Authorization": f"Bearer {KEYS['bob']}"}
     assert httpx.get(f"{server.base_url}/metrics", headers=bob, timeout=10).status_code == 403
     assert server.metrics()  # the admin key reads them
+    documented = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    exported = {_series(name) for name, _ in server.metrics()}
+    assert {name for name in exported if f"`{name}`" not in documented} == set()  # every series documented
 
 
 def test_concurrent_requests_and_a_full_queue(server):

@@ -97,3 +97,23 @@ def test_kv_profile_needs_an_auto_server(smollm):
                 ask(plain, kv_profile="chat")
     finally:
         model.set_attn_implementation("kvwise")
+
+
+def test_every_dashboard_panel_queries_an_exported_series(server):
+    import json
+    import re
+    from pathlib import Path
+
+    import httpx
+
+    text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
+    exported = set(re.findall(r"^# TYPE (\S+) ", text, flags=re.MULTILINE))  # families, with or without samples
+    dashboard = Path(__file__).resolve().parents[1] / "examples" / "observability" / "grafana-dashboard.json"
+    panels = json.loads(dashboard.read_text())["panels"]
+    assert len(panels) >= 10
+    for panel in panels:
+        for target in panel["targets"]:
+            names = set(re.findall(r"kvwise_[a-z0-9_]+", target["expr"]))
+            assert names, panel["title"]
+            series = {re.sub(r"_(total|bucket|sum|count)$", "", name) for name in names}
+            assert series <= exported, f"{panel['title']}: {sorted(series - exported)} are not exported"

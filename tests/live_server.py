@@ -26,9 +26,10 @@ class LiveServer:
         startup_seconds: float = 120.0,
         metrics_key: str | None = None,
         python: str = sys.executable,  # another environment's interpreter, to serve from it
+        port: int | None = None,  # default: a free one
     ):
         self.metrics_key = metrics_key  # an admin key, sent when reading /metrics
-        self.port = free_port()
+        self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         command = [python, "-m", "kvwise.cli", "serve", "--port", str(self.port), "--log-level", "warning"]
         self.process = subprocess.Popen(

@@ -2,7 +2,7 @@
 
     KVWiseCache.from_preset(model, "rag-4bit", tokenizer=tokenizer)
 
-Each preset says what it is for; the README's tables show what each costs and keeps.
+Each preset says what it is for; docs/guide.md and docs/benchmarks.md show what each costs and keeps.
 """
 
 from __future__ import annotations

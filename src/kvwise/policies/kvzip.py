@@ -10,8 +10,8 @@ Two ways to get the reconstruction queries:
 - `reconstruction="pass"` (default, the paper): after the prefill, the model reads "repeat the previous
   context" and the context again. It costs one more pass over the context and only works
   through `KVWiseCache.compress_context`.
-- `reconstruction="self"` (our cheaper experiment, weaker: see the README): a token re-read during reconstruction
-  sees the same preceding text as at its first reading, so its query is close to the prefill's
+- `reconstruction="self"` (our cheaper experiment, weaker: see docs/benchmarks.md): a token re-read
+  during reconstruction sees the same preceding text as at its first reading, so its query is close to the prefill's
   query for that token, moved later by the length of the context. We reuse the prefill queries,
   rotated by that offset (RoPE composes), and let them see the whole context (no causal mask),
   as reconstruction queries would. No extra forward pass; it also works inside `generate`.

@@ -1,10 +1,11 @@
-"""Run kvwise's benchmarks on your own model: needle retrieval and perplexity, quick grids.
+"""Run kvwise's needle-in-a-haystack benchmark on your own model, on a quick grid.
 
     python examples/bench_your_model.py --model /path/to/model [--out results/mine]
 
-Each bench writes JSON, a Markdown table and plots under --out, and resumes if interrupted. The
-same commands take larger grids (see `kvwise bench niah --help`), your own haystack
-(`--haystack-dir`) and needle (`--needle`, `--question`, `--answer-prefix`).
+The bench writes JSON, a Markdown table and plots under --out, and resumes if interrupted.
+`kvwise bench ppl --model M` measures perplexity the same way. The commands take larger grids
+(see `kvwise bench niah --help`), your own haystack (`--haystack-dir`) and needle (`--needle`,
+`--question`, `--answer-prefix`).
 """
 
 from __future__ import annotations

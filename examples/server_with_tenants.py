@@ -37,7 +37,12 @@ def main() -> None:
                 if httpx.get(f"{base}/health", timeout=1).status_code == 200:
                     break
             except httpx.HTTPError:
-                time.sleep(0.5)
+                pass
+            if server.poll() is not None:
+                raise SystemExit(f"kvwise serve exited with {server.returncode}")
+            time.sleep(0.5)
+        else:
+            raise SystemExit("kvwise serve did not come up within 5 minutes")
         for tenant, key in (("alice", "sk-alice"), ("alice", "sk-alice"), ("bob", "sk-bob")):
             client = OpenAI(base_url=f"{base}/v1", api_key=key)
             reply = client.completions.create(model="SmolLM2-135M-Instruct", prompt=PROMPT, max_tokens=8)

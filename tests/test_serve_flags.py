@@ -61,6 +61,12 @@ def test_config_file_values_are_defaults_that_flags_override(tmp_path):
     serve.set_defaults(**defaults)
     args = parser.parse_args(["serve", "--config", str(config), "--max-num-seqs", "9"])
     assert (args.max_model_len, args.max_running, args.kv_cache_memory) == (2048, 9, 1 << 30)
+    config.write_text("no-enable-prefix-caching: true\nno-fair-queue: true\nkv-class-mix: chat=full\n")
+    assert config_file_defaults(serve, str(config)) == {
+        "prefix_caching": False,
+        "no_fair_queue": True,
+        "kv_class_mix": ["chat=full"],
+    }
     config.write_text("max-modle-len: 10\n")
     with pytest.raises(ValueError, match="unknown key 'max-modle-len'"):
         config_file_defaults(serve, str(config))

@@ -181,7 +181,7 @@ def _command_serve(args) -> None:
 def _command_build_kernels(args) -> int:
     from kvwise.engine.cpu_kernel import cpu_kernels, kernel_status
 
-    print(f"kvwise: {kernel_status()}")
+    print(f"kvwise: {kernel_status(retry=True)}")
     return 0 if cpu_kernels() is not None else 1
 
 

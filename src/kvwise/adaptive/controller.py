@@ -73,6 +73,7 @@ class AdaptiveController:
         self._pending: dict[int, tuple[object, str, int]] = {}  # id(request) -> (request, action, bytes before)
         self._seen = {"swapped": 0, "recomputed": 0, "held": 0}  # the engine's counts when last read
         self._steps = 0
+        self._promised = 0  # blocks the requests admitted since the last step will take at full size
         self._last_held_back = None  # the step memory last held a request back
 
     def attach(self, engine) -> None:
@@ -111,6 +112,7 @@ class AdaptiveController:
         if len(request.prompt) < self.config.min_prompt_tokens:
             return Choice("full", klass, "short", 1.0)
         if self.level == 0 and self._memory_to_spare(request):
+            self._promised += self._blocks(len(request.prompt) + request.params.max_tokens)
             return Choice("full", klass, "spare", 1.0)
         pass_fits = self._pass_fits(request)
         entry = self.profile.cheapest(
@@ -125,8 +127,8 @@ class AdaptiveController:
         """Whether the pool has room now for a context pass (KVzip's) over this request's prompt as
         well as the prompt: under pressure it usually does not, and a pass that cannot borrow its
         blocks sends the request back to be computed again."""
-        pool = self.engine.kv.pool
-        return pool.stats().free * pool.block_size >= 2 * (len(request.prompt) + pool.block_size)
+        free = self.engine.kv.free_blocks() - self._promised
+        return free * self.engine.kv.pool.block_size >= 2 * (len(request.prompt) + self.engine.kv.pool.block_size)
 
     def _allowed(self, entry: MixProfile) -> bool:
         quant = entry.quant
@@ -135,18 +137,23 @@ class AdaptiveController:
         return quant.split(":")[0] in self.config.allowed_quants
 
     def _memory_to_spare(self, request) -> bool:
-        """This request's full KV (prompt and output) fits the pool's free blocks now. Neither the
+        """This request's full KV (prompt and output) fits the pool's free blocks now (prefix-cache
+        blocks nobody holds count as free), beside what the requests admitted since the last step
+        were promised (their blocks are taken only when their chunks are scheduled). Neither the
         queue nor running requests' future growth is counted: the queue is admitted as memory frees
         and growth is met by the ladder, while compressing ahead of a need that may not come costs
         time and quality now."""
-        pool = self.engine.kv.pool
-        own = -(-(len(request.prompt) + request.params.max_tokens) // pool.block_size)
-        return pool.stats().used + own <= pool.num_blocks
+        own = self._blocks(len(request.prompt) + request.params.max_tokens)
+        return self._promised + own <= self.engine.kv.free_blocks()
+
+    def _blocks(self, tokens: int) -> int:
+        return -(-tokens // self.engine.kv.pool.block_size)
 
     # ---- pressure ------------------------------------------------------------------------------
     def before_step(self) -> None:
         """Called by the engine before it schedules a step: settle what the last actions freed,
         count the scheduler's swaps and preemptions, move on the ladder, act."""
+        self._promised = 0  # admissions of the last step hold their blocks by now
         self._settle_pending()
         self._count_scheduler_actions()
         usage, held_back = self.pressure()
@@ -171,10 +178,10 @@ class AdaptiveController:
     def pressure(self) -> tuple[float, bool]:
         """(the pool's usage in [0, 1], whether memory held a request back since the last step:
         a prefill chunk found no blocks, or a running request was swapped out or preempted)."""
-        scheduler, pool = self.engine.scheduler, self.engine.kv.pool
+        scheduler, kv = self.engine.scheduler, self.engine.kv
         held = scheduler.memory_stalls + scheduler.preemptions
         held_back, self._seen["held"] = held > self._seen["held"], held
-        return pool.stats().used / pool.num_blocks, held_back
+        return 1 - kv.free_blocks() / kv.pool.num_blocks, held_back
 
     def _candidates(self):
         """Running auto requests past their prefill (not pinned), longest first."""

@@ -105,7 +105,8 @@ def run_adaptive_bench(config: AdaptiveBenchConfig, out_dir: Path, resume: bool 
         peak = reference["peak_kv_bytes"]
         rows = []
         for fraction in config.budgets:
-            budget = max(int(fraction * peak / POOL_SHARE), bench.least_budget())
+            # rounded up, a block over: at 1.0 the pool holds full's peak whatever the rounding
+            budget = max(math.ceil((fraction * peak + bench.block_bytes) / POOL_SHARE), bench.least_budget())
             for system in config.systems:
                 for repeat in range(config.repeats):
                     key = f"{system}@{fraction}#{repeat}@{rate:.4f}"
@@ -143,6 +144,7 @@ class _Bench:
             config,
         )
         self.token_bytes = token_bytes(model)
+        self.block_bytes = self.token_bytes * CacheConfig.block_size
         self.longest = max(len(r.prompt) + r.max_tokens for r in requests)
         self._replays: dict[tuple[int, str], float] = {}
 

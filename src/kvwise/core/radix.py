@@ -178,6 +178,16 @@ class RadixCache:
     def evictable(self, node: Node) -> bool:
         return not node.children and node.locks == 0 and node.priority != PINNED and node is not self.root
 
+    def reclaimable(self) -> int:
+        """Blocks evicting could give back to the pool now: unlocked, unpinned nodes whose block
+        nobody else holds (a running request's blocks stay however the tree changes)."""
+        counts = self.pool.ref_counts
+        return sum(
+            1
+            for node in self._by_key.values()
+            if node.locks == 0 and node.priority != PINNED and counts[node.block] == 1
+        )
+
     def evict(self, count: int) -> int:
         """Evict up to `count` unlocked leaves (parents become leaves as it goes); returns how many."""
         return self._evict(count, only_tenant=None, protect=None)

@@ -454,7 +454,7 @@ class EngineCore:
             return "stop"
         if params.stop and self.tokenizer is not None:
             if request.stop_text is None:  # decodes only the newest tokens: linear in the output
-                request.stop_text = IncrementalText(self.tokenizer, params.stop, self.eos)
+                request.stop_text = IncrementalText(self.tokenizer, params.stop, self.eos, params.stop_token_ids)
             request.stop_text.add(token, final=False)
             if request.stop_text.stopped:
                 return "stop"

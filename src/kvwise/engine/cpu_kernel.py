@@ -153,9 +153,13 @@ def _put_ninja_on_path() -> None:
         os.environ["PATH"] = directory + os.pathsep + os.environ.get("PATH", "")
 
 
-def kernel_status() -> str:
+def kernel_status(retry: bool = False) -> str:
     """One line on what decode runs on this machine: the kernels (built now if they were not), or
-    why SDPA (for `kvwise build-kernels` and the server's startup)."""
+    why SDPA (for `kvwise build-kernels` and the server's startup). retry: forget an earlier
+    failed build and try again (after installing a compiler or ninja)."""
+    if retry:
+        (kvwise_home() / "kernels" / _digest(FLAGS) / "FAILED").unlink(missing_ok=True)
+        cpu_kernels.cache_clear()
     if os.environ.get("KVWISE_CPU_KERNEL", "1") == "0":
         return "CPU kernels off (KVWISE_CPU_KERNEL=0): decode uses SDPA"
     if not _has_vector_units():

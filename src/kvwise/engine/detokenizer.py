@@ -15,8 +15,10 @@ from kvwise.engine.sampling import find_stop
 
 
 class IncrementalText:
-    def __init__(self, tokenizer, stop: list[str] | None = None, eos: int | None = None):
+    def __init__(self, tokenizer, stop: list[str] | None = None, eos: int | None = None, stop_token_ids=()):
+        """stop_token_ids: tokens that end the output without being part of its text, like EOS."""
         self.tokenizer, self.stop, self.eos = tokenizer, stop or [], eos
+        self.silent = {eos, *stop_token_ids} - {None}
         self.token_ids: list[int] = []
         self.text = ""  # the output decoded so far, up to `read_offset`
         self.prefix_offset = 0  # where the decoding window starts (context for the new tokens)
@@ -29,7 +31,7 @@ class IncrementalText:
         """Append a token; returns the text that is now safe to send (all of it when `final`)."""
         if self.stopped:
             return ""
-        if token != self.eos:
+        if token not in self.silent:
             self.token_ids.append(token)
         searched_from = max(0, len(self.text) - self._longest_stop + 1)
         self._decode_new()

@@ -361,6 +361,11 @@ class KVCacheManager:
         unlocked cached prefixes."""
         return self._reclaim(blocks)
 
+    def free_blocks(self) -> int:
+        """Device blocks free now or as soon as asked for: the pool's free blocks and the prefix
+        cache's blocks nobody else holds (what `_reclaim` would give back)."""
+        return self.pool.num_free + (self.tree.reclaimable() if self.tree is not None else 0)
+
     def fit_tokens(self, request: Request) -> int:
         """The most tokens `request` can hold with its blocks and the free ones."""
         return (len(request.blocks) + self.pool.num_free) * self.block_size + request.kv_offset

@@ -87,7 +87,10 @@ class LLM:
         if gpu_memory_utilization is not None:
             if budgets:
                 raise ValueError("give gpu_memory_utilization or kv_cache_memory, not both")
-            budgets = [kv_memory_for_utilization(model.device, gpu_memory_utilization)]
+            # device memory for the pool alone; host swap is sized apart, as `kvwise serve` does
+            device_bytes = kv_memory_for_utilization(model.device, gpu_memory_utilization)
+            swap = (cache_config or CacheConfig()).swap_space_bytes
+            cache_config = cache_config_for_budget(model, device_bytes, cache_config, max_model_len, 1.0, swap)
         kv_budget_bytes = budgets[0] if budgets else None
         if kv not in (None, "auto"):
             raise ValueError(f"kv must be None or 'auto', got {kv!r} (per-prompt settings go to generate(kv=...))")
@@ -98,7 +101,7 @@ class LLM:
 
             controller = AdaptiveController(require_profile(model, kv_profile_path), AdaptiveConfig(kv_quality))
         if kv_budget_bytes is not None:
-            cache_config = cache_config_for_budget(model, kv_budget_bytes, cache_config)
+            cache_config = cache_config_for_budget(model, kv_budget_bytes, cache_config, max_model_len)
         self.engine = EngineCore(model, tokenizer, cache_config, tiers)
         if max_model_len is not None:
             if max_model_len < 1:

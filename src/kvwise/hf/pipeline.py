@@ -42,14 +42,15 @@ class KVWisePipeline(Pipeline):
 
     def preprocess(self, context: str, questions: list[str] | None = None):
         """The context's token ids [1, n], and each question's [1, m] that follows it."""
-        if not isinstance(context, str) or not context:
+        if not isinstance(context, str) or not context.strip():
             raise ValueError("the context must be non-empty text")
+        context = context.strip()  # chat templates trim a message's ends: the context is found as rendered
         questions = questions or [""]
         tokenizer = self.tokenizer
         context_ids, question_ids = None, []
         for question in questions:
             if has_chat_template(tokenizer):
-                whole = render_chat(tokenizer, [{"role": "user", "content": f"{context}\n\n{question}".rstrip()}])
+                whole = render_chat(tokenizer, [{"role": "user", "content": f"{context}\n\n{question}".strip()}])
                 cut = whole.index(context) + len(context)
                 head, tail = whole[:cut], whole[cut:]
                 head_ids = tokenizer(head, add_special_tokens=False).input_ids

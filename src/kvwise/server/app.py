@@ -559,7 +559,10 @@ class _Handlers:
         return sum(self.engine.cached_tokens(request) for request in requests if request.choice % n == 0)
 
     async def _stream(self, http, formatter: Formatter, requests, events, params, prompt_tokens, include_usage, top):
-        texts = {request: IncrementalText(self.core.tokenizer, params.stop, self.core.eos) for request in requests}
+        texts = {
+            request: IncrementalText(self.core.tokenizer, params.stop, self.core.eos, params.stop_token_ids)
+            for request in requests
+        }
         remaining = set(requests)
         seen = dict.fromkeys(requests, 0)  # tokens whose events arrived, per request
         sent = dict.fromkeys(requests, 0)  # of those, tokens whose logprobs went out
@@ -569,7 +572,8 @@ class _Handlers:
             if request.logprobs is None:
                 return None
             upto = seen[request]
-            if final and upto and request.output[upto - 1] == self.core.eos and not params.ignore_eos:
+            last = request.output[upto - 1] if upto else None
+            if final and ((last == self.core.eos and not params.ignore_eos) or last in params.stop_token_ids):
                 upto -= 1
             tokens, entries = request.output[sent[request] : upto], request.logprobs[sent[request] : upto]
             sent[request] = max(upto, sent[request])

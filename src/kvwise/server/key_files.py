@@ -49,7 +49,7 @@ def read_server_keys(args) -> ServerKeys:
     """Every key file `args` names (and the namespace key, generated on first start)."""
     from kvwise.server.api_keys import KeyEntry, load_api_keys
 
-    single = getattr(args, "api_key", None)
+    single = getattr(args, "api_key", None) or os.environ.get("KVWISE_API_KEY") or None
     if single and args.api_keys:
         raise ValueError(
             "--api-key (or KVWISE_API_KEY) is one key for everything: leave out --api-keys, or use only it"

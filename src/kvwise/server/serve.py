@@ -47,7 +47,7 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument("--api-keys", default=None, help="file of `KEY TENANT [PERMISSION ...]` lines; none: no auth")
     parser.add_argument(
         "--api-key",
-        default=os.environ.get(API_KEY_ENVIRONMENT) or None,
+        default=None,  # KVWISE_API_KEY is read at startup: a default would print the key in --help
         help=f"one key for everything (tenant `default`, every permission; or {API_KEY_ENVIRONMENT}); "
         "not with --api-keys",
     )
@@ -239,7 +239,13 @@ def config_file_defaults(parser, path: str) -> dict:
                 raise ValueError(f"--config {path}: {key}: {error}") from None
         if action.choices is not None and value not in action.choices:
             raise ValueError(f"--config {path}: {key} must be one of {list(action.choices)}, got {value!r}")
-        defaults[action.dest] = list(value) if isinstance(action, argparse._AppendAction) else value
+        if isinstance(action, argparse._AppendAction):
+            value = [value] if isinstance(value, str) else list(value)
+        elif dest.startswith("no_") and not action.dest.startswith("no_"):  # a negative spelling of the flag
+            if not isinstance(value, bool):
+                raise ValueError(f"--config {path}: {key} is true or false, got {value!r}")
+            value = not value  # `no-enable-prefix-caching: true` turns prefix caching off
+        defaults[action.dest] = value
     return defaults
 
 
@@ -333,6 +339,8 @@ def kv_memory_flag(args) -> int | None:
         budget = gb
     if budget is not None and budget <= 0:
         raise ValueError(f"--kv-cache-memory must be positive, got {budget}")
+    if budget is not None and args.gpu_memory_utilization is not None:
+        raise ValueError("give --kv-cache-memory (bytes) or --gpu-memory-utilization (a share), not both")
     if args.num_blocks is not None and (budget is not None or args.gpu_memory_utilization is not None):
         raise ValueError(
             "--num-blocks fixes the pool: leave out --kv-cache-memory, --kv-budget-gb and --gpu-memory-utilization"
@@ -376,13 +384,29 @@ def kv_cache_dtype(args, kv_quant_options) -> str | None:
     """--kv-cache-dtype: the quantizer every request without KV settings of its own stores with."""
     if args.kv_cache_dtype is None:
         return None
+    from kvwise.kv.quantizer import make_quantizer
+
+    if args.kv_policy == "auto":
+        raise ValueError("--kv-cache-dtype fixes every request's quantizer: with --kv-policy auto the controller picks")
     name = args.kv_cache_dtype.strip()
-    if name not in kv_quant_options:
-        enabled = ", ".join(kv_quant_options) or "none"
+    if name in ("auto", "none"):  # vLLM's default spelling: the model's own dtype
+        return None
+    try:
+        spec = make_quantizer(name).spec
+    except ValueError as error:
+        raise ValueError(f"--kv-cache-dtype: {error}") from None
+    if spec not in kv_quant_options:
+        enabled = ", ".join(sorted(kv_quant_options)) or "none"
         raise ValueError(
             f"--kv-cache-dtype {name!r} is not among the enabled quantizers ({enabled}; --kv-quant-options)"
         )
-    return name
+    if args.prefix_caching:
+        log.warning(
+            "--kv-cache-dtype %s: each request stores its own blocks quantized, so requests without KV settings of "
+            "their own no longer share prompt blocks through the prefix cache",
+            name,
+        )
+    return spec
 
 
 def adaptive_config(args, kv_quant_options):

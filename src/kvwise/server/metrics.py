@@ -44,35 +44,22 @@ class ServerMetrics:
         self.hits = Counter(
             "kvwise_prefix_cache_hits_tokens", "Prompt tokens found in the prefix cache", ["tenant"], registry=registry
         )
-        self.ttft = Histogram(
-            "kvwise_time_to_first_token_seconds",
-            "Arrival to first output token",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+
+        def latency(name: str, documentation: str) -> Histogram:
+            return Histogram(name, documentation, buckets=LATENCY_BUCKETS, registry=registry)
+
+        self.ttft = latency("kvwise_time_to_first_token_seconds", "Arrival to first output token")
+        self.tpot = latency(
+            "kvwise_time_per_output_token_seconds", "Mean time between output tokens, per finished request"
         )
-        self.tpot = Histogram(
-            "kvwise_time_per_output_token_seconds",
-            "Mean time between output tokens, per finished request",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+        self.e2e = latency(
+            "kvwise_e2e_request_latency_seconds", "Arrival to the last output token, per finished request"
         )
-        self.e2e = Histogram(
-            "kvwise_e2e_request_latency_seconds",
-            "Arrival to the last output token, per finished request",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+        self.queue_time = latency(
+            "kvwise_request_queue_time_seconds", "Arrival to first admission (time spent waiting for a slot and memory)"
         )
-        self.queue_time = Histogram(
-            "kvwise_request_queue_time_seconds",
-            "Arrival to first admission (time spent waiting for a slot and memory)",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
-        )
-        self.inter_token = Histogram(
-            "kvwise_inter_token_latency_seconds",
-            "Time between two consecutive output tokens of a request",
-            buckets=LATENCY_BUCKETS,
-            registry=registry,
+        self.inter_token = latency(
+            "kvwise_inter_token_latency_seconds", "Time between two consecutive output tokens of a request"
         )
         self._last_token: dict[str, float] = {}  # request id -> when its previous token came
         self.requests = Counter("kvwise_requests", "Requests by outcome", ["outcome"], registry=registry)

@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.kvwise-installed
 
-.PHONY: run demo test lint bench-niah redis-server clean
+.PHONY: run demo test lint bench-niah redis-server browser clean
 
 $(PY):
 	python3 -m venv $(VENV)
@@ -30,7 +30,13 @@ redis-server:
 		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq redis-server >/dev/null; }
 
-test: $(STAMP) redis-server
+# The report page is tested in a real headless Chromium, driven through chromedriver.
+browser:
+	@command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1 || { \
+		SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+		$$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium chromium-driver >/dev/null; }
+
+test: $(STAMP) redis-server browser
 	$(VENV)/bin/pytest
 
 lint: $(STAMP)

@@ -19,6 +19,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     commands.add_parser("policies", help="list the eviction policies")
     commands.add_parser("build-kernels", help="build the CPU decode kernels now (the server otherwise builds them)")
+    report = commands.add_parser("report", help="every benchmark report under a folder on one offline HTML page")
+    report.add_argument("directory", help="a results folder (any of the benches, or all of them)")
+    report.add_argument("--out", default=None, help="the page to write (default: DIRECTORY/report.html)")
 
     generate = commands.add_parser("generate", help="generate with a compressed KV cache")
     generate.add_argument("--prompt", help="the prompt text")
@@ -185,7 +188,14 @@ def _command_build_kernels(args) -> int:
     return 0 if cpu_kernels() is not None else 1
 
 
+def _command_report(args) -> None:
+    from kvwise.bench.report import render_report
+
+    print(f"kvwise: wrote {render_report(args.directory, args.out)}")
+
+
 _COMMANDS = {
+    "report": _command_report,
     "build-kernels": _command_build_kernels,
     "policies": _command_policies,
     "generate": _command_generate,

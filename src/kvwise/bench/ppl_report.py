@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvwise.core.plotting import headless_pyplot
+
 
 def describe(row: dict) -> str:
     """A short label for a system's configuration."""
@@ -45,34 +47,56 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+PPL_AXIS_CAP = 1.3  # perplexity ratios above this sit on the top edge, annotated with their value
+
+
+def family(row: dict) -> str:
+    """The group a system belongs to in the plot: one colour and marker each."""
+    if row["system"] != "kvwise":
+        return f"transformers QuantizedCache ({row['system'].removeprefix('hf-')})"
+    config = row["config"]
+    evicts, quantizes = config["policy"] != "full", bool(config["quant"])
+    if evicts and quantizes:
+        return "kvwise: decode budget + quantizer"
+    if evicts:
+        return "kvwise: decode budget"
+    return "kvwise: quantizer" if quantizes else "kvwise: full cache"
+
+
 def write_ppl_report(report: dict, out_dir: Path) -> None:
     (out_dir / "ppl.md").write_text(markdown_table(report))
-    try:
-        import matplotlib
+    plot_ppl(report, out_dir / "ppl.png")
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib); skipping the ppl plot")
+
+def plot_ppl(report: dict, path: Path) -> None:
+    """Perplexity ratio against KV bytes, one colour per family, the ratio axis capped so the points
+    that matter (near 1) stay apart; points beyond the cap are drawn on the edge with their value."""
+    plt = headless_pyplot("ppl plot")
+    if plt is None:
         return
-    figure, axes = plt.subplots(figsize=(9, 6))
-    markers = {"kvwise": "o", "hf-quanto": "s", "hf-hqq": "^"}
-    colors = plt.get_cmap("tab20")
-    for index, row in enumerate(report["results"]):
-        axes.scatter(
-            row["kv_bytes"] / row["full16_kv_bytes"],
-            row["ppl_ratio"],
-            marker=markers.get(row["system"], "x"),
-            color=colors(index % 20),
-            label=f"{row['system']}: {describe(row)}",
-        )
+    families = list(dict.fromkeys(family(row) for row in report["results"]))
+    styles = dict(zip(families, zip(plt.get_cmap("tab10").colors, "os^Dvp<>")))
+    figure, axes = plt.subplots(figsize=(10, 6), layout="constrained")
+    for name in families:
+        rows = [row for row in report["results"] if family(row) == name]
+        color, marker = styles[name]
+        x = [row["kv_bytes"] / row["full16_kv_bytes"] for row in rows]
+        y = [min(row["ppl_ratio"], PPL_AXIS_CAP) for row in rows]
+        axes.scatter(x, y, color=color, marker=marker, s=36, label=name)
+        for xi, yi, row in zip(x, y, rows):
+            label = (
+                describe(row)
+                if row["ppl_ratio"] <= PPL_AXIS_CAP
+                else f"{describe(row)}: {row['ppl_ratio']:.2f} (off scale)"
+            )
+            axes.annotate(label, (xi, yi), fontsize=6, xytext=(4, 2), textcoords="offset points", color=color)
+    axes.axhline(1.0, color="grey", linewidth=0.8)
     axes.set_xscale("log")
-    axes.set_yscale("log")
+    axes.set_ylim(top=PPL_AXIS_CAP + 0.01)
     axes.set_xlabel("KV bytes / 16-bit full cache (log)")
-    axes.set_ylabel("perplexity / full cache perplexity (log)")
+    axes.set_ylabel(f"perplexity / full cache perplexity (capped at {PPL_AXIS_CAP})")
     axes.set_title(f"Perplexity against KV memory, {report['config']['tokens']} essay tokens")
     axes.grid(True, which="both", alpha=0.3)
-    axes.legend(fontsize=6, loc="upper right", ncol=2)
-    figure.tight_layout()
-    figure.savefig(out_dir / "ppl.png", dpi=110)
+    axes.legend(fontsize=7, loc="upper right")
+    figure.savefig(path, dpi=110)
     plt.close(figure)

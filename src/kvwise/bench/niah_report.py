@@ -6,6 +6,8 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from kvwise.core.plotting import headless_pyplot
+
 
 def summarize(results: list[dict]) -> list[dict]:
     """One row per (policy, ratio): accuracy, bytes against full, seconds per trial."""
@@ -67,13 +69,14 @@ def markdown_table(report: dict) -> str:
 
 def write_niah_report(report: dict, out_dir: Path) -> None:
     (out_dir / "niah.md").write_text(markdown_table(report))
-    try:
-        import matplotlib
+    plot_niah(report, out_dir)
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install matplotlib); skipping the NIAH plots")
+
+def plot_niah(report: dict, out_dir: Path) -> None:
+    """Per policy, accuracy by needle depth: a heatmap against context length, or, when one length
+    was run, bars per ratio (a one-column heatmap says little); then accuracy against KV bytes."""
+    plt = headless_pyplot("NIAH plots")
+    if plt is None:
         return
     results = report["results"]
     for policy in dict.fromkeys(row["policy"] for row in results):
@@ -81,45 +84,54 @@ def write_niah_report(report: dict, out_dir: Path) -> None:
         ratios = sorted({row["ratio"] for row in rows})
         lengths = sorted({row["length"] for row in rows})
         depths = sorted({row["depth"] for row in rows})
-        figure, axes = plt.subplots(1, len(ratios), figsize=(2.6 * len(ratios) + 1, 3), squeeze=False)
-        for axis, ratio in zip(axes[0], ratios):
-            grid = [
-                [
-                    mean(
-                        r["correct"]
-                        for r in rows
-                        if r["ratio"] == ratio and r["length"] == length and r["depth"] == depth
-                    )
-                    for length in lengths
-                ]
-                for depth in depths
-            ]
-            image = axis.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-            axis.set_title(f"ratio {ratio}")
-            axis.set_xticks(range(len(lengths)), [str(length) for length in lengths])
-            axis.set_yticks(range(len(depths)), [str(depth) for depth in depths])
-            axis.set_xlabel("context length")
-        axes[0][0].set_ylabel("needle depth")
-        figure.colorbar(image, ax=axes[0].tolist())
-        figure.suptitle(f"NIAH accuracy: {policy}")
+
+        def accuracy(ratio, length, depth, rows=rows):
+            return mean(r["correct"] for r in rows if (r["ratio"], r["length"], r["depth"]) == (ratio, length, depth))
+
+        if len(lengths) == 1:
+            figure, axis = plt.subplots(figsize=(7, 3.6), layout="constrained")
+            width = 0.8 / len(ratios)
+            for index, ratio in enumerate(ratios):
+                xs = [d + (index - (len(ratios) - 1) / 2) * width for d in range(len(depths))]
+                axis.bar(xs, [accuracy(ratio, lengths[0], depth) for depth in depths], width, label=f"ratio {ratio}")
+            axis.set_xticks(range(len(depths)), [str(depth) for depth in depths])
+            axis.set_xlabel("needle depth")
+            axis.set_ylabel("accuracy")
+            axis.set_ylim(0, 1.05)
+            axis.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.0, 1.0))
+            axis.set_title(f"NIAH accuracy: {policy}, {lengths[0]} tokens")
+        else:
+            figure, axes = plt.subplots(
+                1, len(ratios), figsize=(2.8 * len(ratios) + 1.5, 3.4), squeeze=False, layout="constrained"
+            )
+            for axis, ratio in zip(axes[0], ratios):
+                grid = [[accuracy(ratio, length, depth) for length in lengths] for depth in depths]
+                image = axis.imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+                axis.set_title(f"ratio {ratio}", fontsize=9)
+                axis.set_xticks(range(len(lengths)), [str(length) for length in lengths])
+                axis.set_yticks(range(len(depths)), [str(depth) for depth in depths])
+                axis.set_xlabel("context length")
+            axes[0][0].set_ylabel("needle depth")
+            figure.colorbar(image, ax=axes[0].tolist())
+            figure.suptitle(f"NIAH accuracy: {policy}")
         figure.savefig(out_dir / f"niah_heatmap_{policy}.png", dpi=100)
         plt.close(figure)
-    figure, axis = plt.subplots(figsize=(7, 4.5))
-    colors = plt.get_cmap("tab20").colors
-    markers = "os^vD<>ph*"
+    figure, axis = plt.subplots(figsize=(7.5, 4.8), layout="constrained")
+    colors = plt.get_cmap("tab10").colors
+    markers = "osD^v<>ph*"
     for index, policy in enumerate(dict.fromkeys(row["policy"] for row in results)):
         points = sorted(
             (row["kv_bytes"] / 1e6, row["correct"] / row["trials"])
             for row in summarize(results)
             if row["policy"] == policy
         )
-        style = {"color": colors[index % len(colors)], "marker": markers[index % len(markers)]}
-        axis.plot([p[0] for p in points], [p[1] for p in points], label=policy, **style)
+        # colour and marker cycle at different lengths: no two of the first 50 policies look alike
+        style = {"color": colors[index % len(colors)], "marker": markers[(index // len(colors) + index) % len(markers)]}
+        axis.plot([p[0] for p in points], [p[1] for p in points], label=policy, markersize=6, **style)
     axis.set_xscale("log")
     axis.set_xlabel("KV bytes held after compression (MB, log)")
     axis.set_ylabel("accuracy")
     axis.set_title("NIAH accuracy against KV memory")
     axis.legend(fontsize=7, ncol=2)
-    figure.tight_layout()
     figure.savefig(out_dir / "niah_accuracy_vs_bytes.png", dpi=100)
     plt.close(figure)

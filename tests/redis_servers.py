@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from kvwise.bench import redis_launcher as local_redis
+from tests import redis_launcher as local_redis
 
 
 def start_redis(directory: Path, *extra: str) -> local_redis.RedisProcess:

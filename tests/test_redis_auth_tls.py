@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwise.bench.redis_launcher import free_port
 from kvwise.core.hashing import Namespace, chain_keys
 from kvwise.tiers.redis_tier import RedisTier
+from tests.redis_launcher import free_port
 from tests.redis_servers import start_redis_on, tls_unsupported_reason
 from tests.tls_certificates import CertificateAuthority
 

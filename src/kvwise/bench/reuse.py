@@ -32,6 +32,7 @@ from kvwise.core.radix import RadixCache
 from kvwise.hf.prefix_reuse import PrefixReuse
 from kvwise.tiers.disk import DiskTier
 from kvwise.tiers.host import HostTier
+from kvwise.tiers.redis_tier import RedisTier
 
 
 @dataclass
@@ -41,7 +42,7 @@ class ReuseConfig(RagWorkload):
     block_size: int = 16
     tree_blocks: int = 100_000
     restore_tokens: int = 2000
-    redis_url: str | None = None  # None: start a throwaway local redis-server if one is installed
+    redis_url: str | None = None  # a Redis to restore from; None: the Redis row is left out
 
     def __post_init__(self):
         super().__post_init__()
@@ -140,12 +141,11 @@ def run_reuse(config: ReuseConfig, out_dir: Path) -> dict:
     restore_ids = restore_ids[:, -(config.restore_tokens + 1) :]
     with tempfile.TemporaryDirectory() as scratch, tqdm(total=2 * len(requests), desc="rag", unit="request") as bar:
         tiers = {"host": HostTier(capacity_bytes=8 << 30), "disk": DiskTier(Path(scratch) / "disk")}
-        server = _redis_tier(config, Path(scratch), tiers)
-        try:
-            restore = measure_restore(model, restore_ids, config.block_size, tiers)
-        finally:
-            if server is not None:
-                server.stop()
+        if config.redis_url is not None:
+            tiers["redis"] = RedisTier(config.redis_url, hmac_key="kvwise-bench", ttl_seconds=600)
+        else:
+            print("no --redis-url: the Redis tier is left out (start a redis-server and pass its URL to time it)")
+        restore = measure_restore(model, restore_ids, config.block_size, tiers)
         rag = run_rag(model, requests, config, bar)
     report = {
         "workload": "reuse",
@@ -159,24 +159,6 @@ def run_reuse(config: ReuseConfig, out_dir: Path) -> dict:
     (out_dir / "reuse.json").write_text(json.dumps(report, indent=1))
     (out_dir / "reuse.md").write_text(markdown(report))
     return report
-
-
-def _redis_tier(config: ReuseConfig, scratch: Path, tiers: dict):
-    """Add a Redis tier: the given URL, or a throwaway local server (returned, to stop it)."""
-    from kvwise.tiers.redis_tier import RedisTier
-
-    server, url = None, config.redis_url
-    if url is None:
-        from kvwise.bench.redis_launcher import start_redis
-
-        try:
-            server = start_redis(scratch / "redis")
-        except RuntimeError as error:
-            print(f"skipping the Redis tier: {error}")
-            return None
-        url = server.url
-    tiers["redis"] = RedisTier(url, hmac_key="kvwise-bench", ttl_seconds=600)
-    return server
 
 
 def markdown(report: dict) -> str:

@@ -1,5 +1,5 @@
-"""Start throwaway redis-server processes on 127.0.0.1, one node or a cluster, for the benchmarks
-and the tests (not part of the library: a deployment runs its own Redis)."""
+"""Start throwaway redis-server processes on 127.0.0.1, one node or a cluster, for the tests (not
+part of the package: a deployment, or `kvwise bench reuse --redis-url`, brings its own Redis)."""
 
 from __future__ import annotations
 

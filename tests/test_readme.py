@@ -13,11 +13,13 @@ from pathlib import Path
 import pytest
 
 from tests.live_server import LiveServer
+from tests.test_doc_examples import python_blocks
 
 pytestmark = [pytest.mark.smollm, pytest.mark.timeout(900)]
 
-README = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-PYTHON_BLOCKS = re.findall(r"```python\n(.*?)```", README, flags=re.DOTALL)
+README_PATH = Path(__file__).resolve().parents[1] / "README.md"
+README = README_PATH.read_text()
+PYTHON_BLOCKS = python_blocks(README_PATH)
 CURL_COMMANDS = [
     block for block in re.findall(r"```bash\n(.*?)```", README, flags=re.DOTALL) if block.startswith("curl")
 ]

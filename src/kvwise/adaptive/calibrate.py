@@ -8,8 +8,8 @@ output (retrieval, long generation) run through the serving engine, all of a mix
 compressed region whole where the library keeps its newest tokens in a full-precision residual
 window, and on the embedded model that costs needles. Chat probes, scored by the perplexity of a
 given continuation (which the engine does not compute), run through the library cache
-(`KVWiseCache`). Rows stream to a partial
-file, so an interrupted run resumes; `--budget-minutes` stops starting new mixes once spent.
+(`KVWiseCache`). Rows stream to a partial file, so an interrupted run resumes; `--budget-minutes`
+stops starting new mixes once spent.
 """
 
 from __future__ import annotations
@@ -192,7 +192,8 @@ def measure_in_engine(model, tokenizer, mix: str, probes: list[tuple[int, Probe]
 @torch.no_grad()
 def measure_probe(model, tokenizer, mix: Mix, probe: Probe) -> dict:
     """Run one probe under one mix through the library cache: bytes kept after compressing the
-    prompt, seconds, and the raw outcome (the answer, the continuation's negative log-likelihood, the greedy tokens)."""
+    prompt, seconds, and the raw outcome (the answer, the continuation's negative log-likelihood,
+    the greedy tokens)."""
     device = model.device
     prompt = probe.prompt_ids.to(device)
     started = time.perf_counter()

@@ -448,9 +448,7 @@ class EngineCore:
 
     def _finish_reason(self, request: Request, token: int) -> str | None:
         params = request.params
-        if not params.ignore_eos and self.eos is not None and token == self.eos:
-            return "stop"
-        if token in params.stop_token_ids:
+        if params.stops_at(token, self.eos):
             return "stop"
         if params.stop and self.tokenizer is not None:
             if request.stop_text is None:  # decodes only the newest tokens: linear in the output

@@ -73,3 +73,27 @@ def kv_memory_for_utilization(device, utilization: float) -> int:
             f"{(total - free) / 2**30:.2f} of {total / 2**30:.2f} GiB are in use already"
         )
     return allowed
+
+
+def cache_config_for_memory(
+    model,
+    base: CacheConfig | None = None,
+    kv_memory: int | None = None,
+    gpu_memory_utilization: float | None = None,
+    longest_request: int | None = None,
+    swap_bytes: int | None = None,
+) -> CacheConfig | None:
+    """`base` with its pool sized from one memory knob, or None when neither is given:
+    kv_memory, all the KV memory in bytes (pool, host swap and quantized blocks share it), or
+    gpu_memory_utilization (CUDA: the device memory left for the pool alone, host swap sized apart:
+    `swap_bytes`, default base's). The one sizing `LLM` and `kvwise serve` use."""
+    if kv_memory is not None and gpu_memory_utilization is not None:
+        raise ValueError("give the KV memory in bytes or a GPU memory utilization, not both")
+    base = base or CacheConfig()
+    if gpu_memory_utilization is not None:
+        device_bytes = kv_memory_for_utilization(model.device, gpu_memory_utilization)
+        swap = base.swap_space_bytes if swap_bytes is None else swap_bytes
+        return cache_config_for_budget(model, device_bytes, base, longest_request, pool_share=1.0, swap_bytes=swap)
+    if kv_memory is not None:
+        return cache_config_for_budget(model, kv_memory, base, longest_request, swap_bytes=swap_bytes)
+    return None

@@ -49,6 +49,11 @@ class KVStats:
         return self.used_blocks * self.block_bytes
 
     @property
+    def block_usage(self) -> float:
+        """Share of the device pool's blocks in use, prefix-cached ones included."""
+        return self.used_blocks / max(1, self.used_blocks + self.free_blocks)
+
+    @property
     def capacity_bytes(self) -> int:
         return self.num_blocks * self.block_bytes
 

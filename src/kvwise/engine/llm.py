@@ -19,7 +19,7 @@ from tqdm import tqdm
 
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import CompletionOutput, EngineCore
-from kvwise.engine.kv_budget import cache_config_for_budget, kv_memory_for_utilization
+from kvwise.engine.kv_budget import cache_config_for_memory
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.chat_template import load_chat_template, render_chat
@@ -84,14 +84,9 @@ class LLM:
         budgets = [b for b in (kv_budget_bytes, kv_cache_memory) if b is not None]
         if len(budgets) == 2 and budgets[0] != budgets[1]:
             raise ValueError("kv_cache_memory and kv_budget_bytes are one knob: give one")
-        if gpu_memory_utilization is not None:
-            if budgets:
-                raise ValueError("give gpu_memory_utilization or kv_cache_memory, not both")
-            # device memory for the pool alone; host swap is sized apart, as `kvwise serve` does
-            device_bytes = kv_memory_for_utilization(model.device, gpu_memory_utilization)
-            swap = (cache_config or CacheConfig()).swap_space_bytes
-            cache_config = cache_config_for_budget(model, device_bytes, cache_config, max_model_len, 1.0, swap)
-        kv_budget_bytes = budgets[0] if budgets else None
+        kv_memory = budgets[0] if budgets else None
+        sized = cache_config_for_memory(model, cache_config, kv_memory, gpu_memory_utilization, max_model_len)
+        cache_config = sized or cache_config
         if kv not in (None, "auto"):
             raise ValueError(f"kv must be None or 'auto', got {kv!r} (per-prompt settings go to generate(kv=...))")
         controller = None
@@ -100,8 +95,6 @@ class LLM:
             from kvwise.adaptive.profile import require_profile
 
             controller = AdaptiveController(require_profile(model, kv_profile_path), AdaptiveConfig(kv_quality))
-        if kv_budget_bytes is not None:
-            cache_config = cache_config_for_budget(model, kv_budget_bytes, cache_config, max_model_len)
         self.engine = EngineCore(model, tokenizer, cache_config, tiers)
         if max_model_len is not None:
             if max_model_len < 1:

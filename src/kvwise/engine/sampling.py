@@ -85,6 +85,10 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    def stops_at(self, token: int, eos: int | None) -> bool:
+        """Whether sampling `token` ends the output: EOS (unless ignored) or a stop token id."""
+        return (token == eos and eos is not None and not self.ignore_eos) or token in self.stop_token_ids
+
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0

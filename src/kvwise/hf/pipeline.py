@@ -25,7 +25,6 @@ from kvwise.hf.chat_template import bos_ids, has_chat_template, render_chat
 from kvwise.hf.compressed_contexts import cache_state, restore_cache_state
 
 TASK = "kvwise-text-generation"
-CACHE_OPTIONS = ("policy", "compression_ratio", "quant")
 
 
 class KVWisePipeline(Pipeline):

@@ -572,8 +572,7 @@ class _Handlers:
             if request.logprobs is None:
                 return None
             upto = seen[request]
-            last = request.output[upto - 1] if upto else None
-            if final and ((last == self.core.eos and not params.ignore_eos) or last in params.stop_token_ids):
+            if final and upto and params.stops_at(request.output[upto - 1], self.core.eos):
                 upto -= 1
             tokens, entries = request.output[sent[request] : upto], request.logprobs[sent[request] : upto]
             sent[request] = max(upto, sent[request])

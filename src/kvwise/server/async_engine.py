@@ -48,7 +48,6 @@ class AsyncEngine:
         self._held: dict[Request, list] = {}  # padded requests' events, released after their pad
         self.metrics = metrics or ServerMetrics(core)
         self.stats_log = stats_log or StatsLog(core, interval_seconds=0)
-        core.scheduler.on_admit.append(self._count_admission)
         self.accepting = True
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._pending_adds = 0  # requests handed to the thread and not yet in the scheduler
@@ -173,13 +172,8 @@ class AsyncEngine:
             self._deliver(event.request, event)
             if event.finish_reason is not None:
                 self.stats_log.finished(event.request, event.finish_reason)
-        self.stats_log.generated(sum(event.finish_reason != "error" for event in events))
-        self.stats_log.maybe_log()
+        self.stats_log.maybe_log(self.metrics)
         return True
-
-    def _count_admission(self, request: Request) -> None:
-        if not request.preemptions:  # once per request, not again after a preemption
-            self.stats_log.admitted(request)
 
     def _apply_commands(self) -> None:
         while True:

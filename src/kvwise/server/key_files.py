@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from kvwise.core.secret_keys import load_keys, load_or_create_keys
 
+API_KEY_ENVIRONMENT = "KVWISE_API_KEY"  # the one key of --api-key, read at startup
+
 log = logging.getLogger("kvwise.server")
 
 
@@ -49,10 +51,10 @@ def read_server_keys(args) -> ServerKeys:
     """Every key file `args` names (and the namespace key, generated on first start)."""
     from kvwise.server.api_keys import KeyEntry, load_api_keys
 
-    single = getattr(args, "api_key", None) or os.environ.get("KVWISE_API_KEY") or None
+    single = getattr(args, "api_key", None) or os.environ.get(API_KEY_ENVIRONMENT) or None
     if single and args.api_keys:
         raise ValueError(
-            "--api-key (or KVWISE_API_KEY) is one key for everything: leave out --api-keys, or use only it"
+            f"--api-key (or {API_KEY_ENVIRONMENT}) is one key for everything: leave out --api-keys, or use only it"
         )
     api_keys = load_api_keys(args.api_keys) if args.api_keys else None
     if single:  # vLLM's --api-key: tenant `default`, every permission

@@ -67,6 +67,8 @@ class ServerMetrics:
         self.prompt_tokens = Counter("kvwise_prompt_tokens", "Prompt tokens admitted", registry=registry)
         self.generated_tokens = Counter("kvwise_generation_tokens", "Tokens generated", registry=registry)
         self._counted: set[str] = set()  # request ids whose prefix lookup is counted (once, not per preemption)
+        # the same counts as plain totals, for the periodic stats line (`StatsLog`) to take differences of
+        self.prompt_total = self.hit_total = self.generated_total = 0
         registry.register(_StateCollector(core))
         core.scheduler.on_admit.append(self.on_admit)
 
@@ -79,6 +81,8 @@ class ServerMetrics:
             self.queries.labels(tenant).inc(len(request.prompt))
             self.hits.labels(tenant).inc(request.reused)
             self.prompt_tokens.inc(len(request.prompt))
+            self.prompt_total += len(request.prompt)
+            self.hit_total += request.reused
 
     def tenant_label(self, tenant: str) -> str:
         if not self.per_tenant:
@@ -95,6 +99,7 @@ class ServerMetrics:
             self._last_token.pop(request.request_id, None)
             return
         self.generated_tokens.inc()
+        self.generated_total += 1
         now = time.monotonic()
         if len(request.output) == 1 and request.first_token_time is not None:
             self.ttft.observe(request.first_token_time - request.arrival)
@@ -195,8 +200,8 @@ class _StateCollector:
         yield blocks
         yield GaugeMetricFamily(
             "kvwise_kv_cache_usage_ratio",
-            "Share of the device KV pool's blocks in use (prefix-cached blocks that can be evicted count as free)",
-            value=kv.used_blocks / max(1, kv.used_blocks + kv.free_blocks),
+            "Share of the device KV pool's blocks in use (prefix-cached blocks count as used)",
+            value=kv.block_usage,
         )
         evictions = CounterMetricFamily("kvwise_prefix_cache_evictions_blocks", "Blocks evicted from the prefix cache")
         evictions.add_metric([], kv.prefix_evictions)

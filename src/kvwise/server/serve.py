@@ -14,9 +14,9 @@ import re
 from pathlib import Path
 
 from kvwise.engine.config import CacheConfig
+from kvwise.server.key_files import API_KEY_ENVIRONMENT
 
 EMBEDDED_NAME = "SmolLM2-135M-Instruct"
-API_KEY_ENVIRONMENT = "KVWISE_API_KEY"
 DEFAULT_CPU_KV_MEMORY = 2 << 30  # capped further at a quarter of free RAM, so several servers fit
 DEFAULT_GPU_MEMORY_UTILIZATION = 0.9
 _UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9}
@@ -352,21 +352,18 @@ def size_pool(args, model, cache: CacheConfig, budget: int | None) -> CacheConfi
     """The pool from --num-blocks, else from KV memory: --kv-cache-memory (pool, swap and quantized
     blocks together), --gpu-memory-utilization (CUDA: device memory for the pool alone), or the
     default (CPU: the smaller of 2 GiB and a quarter of free RAM; CUDA: 0.9 utilization)."""
-    from kvwise.engine.kv_budget import cache_config_for_budget, kv_memory_for_utilization
+    from kvwise.engine.kv_budget import cache_config_for_memory
 
     if args.num_blocks is not None:
         return cache
-    longest = args.max_model_len
+    utilization = args.gpu_memory_utilization
+    if budget is None and utilization is None:
+        if model.device.type == "cuda":
+            utilization = DEFAULT_GPU_MEMORY_UTILIZATION
+        else:
+            budget = min(DEFAULT_CPU_KV_MEMORY, _available_memory() // 4)
     swap = None if args.swap_space_gb is None else int(args.swap_space_gb * (1 << 30))
-    if budget is None and (args.gpu_memory_utilization is not None or model.device.type == "cuda"):
-        utilization = args.gpu_memory_utilization or DEFAULT_GPU_MEMORY_UTILIZATION
-        device_bytes = kv_memory_for_utilization(model.device, utilization)
-        return cache_config_for_budget(
-            model, device_bytes, cache, longest, pool_share=1.0, swap_bytes=cache.swap_space_bytes
-        )
-    if budget is None:
-        budget = min(DEFAULT_CPU_KV_MEMORY, _available_memory() // 4)
-    return cache_config_for_budget(model, budget, cache, longest, swap_bytes=swap)
+    return cache_config_for_memory(model, cache, budget, utilization, args.max_model_len, swap)
 
 
 def _available_memory() -> int:

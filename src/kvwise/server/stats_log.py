@@ -8,51 +8,40 @@ import time
 
 from kvwise.engine.core import EngineCore
 from kvwise.engine.request import Request
+from kvwise.server.metrics import ServerMetrics
 
 log = logging.getLogger("kvwise.server")
 
 
 class StatsLog:
     """interval_seconds: between two stats lines (0: none); a line is written only after a period
-    with work in it, so an idle server stays quiet."""
+    with work in it, so an idle server stays quiet. The token counts are the metrics' (one owner)."""
 
     def __init__(self, core: EngineCore, interval_seconds: float = 10.0, requests: bool = False, text: bool = False):
         if interval_seconds < 0:
             raise ValueError(f"--log-stats-interval must be >= 0, got {interval_seconds}")
         self.core, self.interval, self.requests, self.text = core, interval_seconds, requests, text
-        self.prompt_tokens = self.generated_tokens = self.queried_tokens = self.hit_tokens = 0
-        self._since = time.monotonic()
+        self._since, self._totals = time.monotonic(), (0, 0, 0)  # (prompt, hit, generated) tokens then
 
-    def admitted(self, request: Request) -> None:
-        self.prompt_tokens += len(request.prompt)
-        self.queried_tokens += len(request.prompt)
-        self.hit_tokens += request.reused
-
-    def generated(self, tokens: int) -> None:
-        self.generated_tokens += tokens
-
-    def maybe_log(self) -> None:
+    def maybe_log(self, metrics: ServerMetrics) -> None:
         now = time.monotonic()
         if not self.interval or now - self._since < self.interval:
             return
+        totals = (metrics.prompt_total, metrics.hit_total, metrics.generated_total)
+        prompt, hits, generated = (new - old for new, old in zip(totals, self._totals))
         scheduler, elapsed = self.core.scheduler, now - self._since
-        busy = self.prompt_tokens or self.generated_tokens or scheduler.running or scheduler.waiting
-        if busy:
-            kv = self.core.kv.stats()
-            usage = kv.used_blocks / max(1, kv.used_blocks + kv.free_blocks)
-            hit_rate = self.hit_tokens / self.queried_tokens if self.queried_tokens else 0.0
+        if prompt or generated or scheduler.running or scheduler.waiting:
             log.info(
                 "engine: prompt %.1f tok/s, generation %.1f tok/s, %d running, %d waiting, KV usage %.1f%%, "
                 "prefix hit rate %.1f%%",
-                self.prompt_tokens / elapsed,
-                self.generated_tokens / elapsed,
+                prompt / elapsed,
+                generated / elapsed,
                 len(scheduler.running),
                 len(scheduler.waiting),
-                100 * usage,
-                100 * hit_rate,
+                100 * self.core.kv.stats().block_usage,
+                100 * hits / prompt if prompt else 0.0,
             )
-        self.prompt_tokens = self.generated_tokens = self.queried_tokens = self.hit_tokens = 0
-        self._since = now
+        self._since, self._totals = now, totals
 
     def finished(self, request: Request, outcome: str) -> None:
         if not self.requests:

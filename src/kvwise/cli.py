@@ -176,6 +176,13 @@ def _command_calibrate(args) -> None:
 def _command_serve(args) -> None:
     for module in ("fastapi", "uvicorn", "prometheus_client"):
         require(module, "server", "kvwise serve")
+    if args.replicas is not None:
+        from kvwise.cluster.launch import run_cluster
+
+        run_cluster(args)
+        return
+    if args.ray_address is not None:
+        raise ValueError("--ray-address deploys replicas: give --replicas N too")
     from kvwise.server.serve import run_server
 
     run_server(args)

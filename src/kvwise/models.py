@@ -73,6 +73,21 @@ def _converted_embedded_dir() -> Path:
     return target
 
 
+def load_tokenizer(name: str | None = None):
+    """The tokenizer `load_model(name)` would return, without the weights (a router tokenizes
+    prompts it never runs)."""
+    from transformers import AutoTokenizer
+
+    source = str(_converted_embedded_dir()) if name is None else name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source)
+    except OSError as error:
+        raise ValueError(f"cannot load the tokenizer of {source!r}: {error.__class__.__name__}") from None
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 def load_model(name: str | None = None, device: str | torch.device = "auto", dtype: torch.dtype | str | None = None):
     """Load `(model, tokenizer)` ready for `KVWiseCache`.
 

@@ -60,6 +60,8 @@ class RadixCache:
     quotas: blocks per tenant; tenants not listed get `default_quota` (None: unlimited, or with
         `fair_share` an equal share of the pool per tenant holding blocks).
     on_evict: called with each evicted node before its block is released (write-back to tiers).
+    on_insert: called with each node `insert` adds, when `insert` is asked to announce it
+        (publishing newly computed blocks to a shared tier).
     """
 
     def __init__(
@@ -76,6 +78,7 @@ class RadixCache:
         self.pool, self.block_size, self.eviction = pool, pool.block_size, eviction
         self.quotas, self.default_quota, self.fair_share = dict(quotas or {}), default_quota, fair_share
         self.on_evict = on_evict
+        self.on_insert: Callable[[Node], None] | None = None
         self.root = Node(ROOT_KEY, (), -1, "", None)
         self._by_key: dict[bytes, Node] = {}
         self.usage: Counter[str] = Counter()  # blocks held per tenant
@@ -125,12 +128,14 @@ class RadixCache:
         blocks: Sequence[int],
         namespace: Namespace | SegmentedNamespace,
         priority: float = 0.0,
+        announce: bool = False,
     ) -> list[Node]:
         """Cache the full blocks of `token_ids`, held in `blocks` (one per full block).
 
         Blocks already cached are left alone (the caller keeps its own copy); new nodes take a
         pool reference to the caller's block. A tenant at its quota first evicts its own
         unlocked leaves; what still does not fit is not cached. Returns the path's nodes.
+        announce: pass each new node to `on_insert` (blocks just computed, not ones brought back).
         """
         full_blocks = len(token_ids) // self.block_size
         if len(blocks) < full_blocks:
@@ -151,6 +156,8 @@ class RadixCache:
                 parent.children[key] = node
                 self._by_key[key] = node
                 self.usage[namespace.tenant] += 1
+                if announce and self.on_insert is not None:
+                    self.on_insert(node)
             node.last_access = now
             node.priority = max(node.priority, priority)
             path.append(node)
@@ -238,3 +245,7 @@ class RadixCache:
 
     def nodes(self) -> list[Node]:
         return list(self._by_key.values())
+
+    def keys(self) -> list[bytes]:
+        """Every cached block's key (one C-level copy: safe to call while another thread inserts)."""
+        return list(self._by_key)

@@ -22,6 +22,9 @@ class CacheConfig:
     # without an explicit quota, each tenant holding prefix blocks may hold an equal share of the
     # pool: eviction under pressure takes from the tenant over its share first
     fair_prefix_shares: bool = True
+    # write newly computed prefix blocks to the shared tiers (Redis) at once, not only at eviction,
+    # so other servers on the same Redis reuse them (replicas behind one router do)
+    publish_prefixes: bool = False
 
     def __post_init__(self):
         for name in ("block_size", "num_blocks", "token_budget", "max_running"):

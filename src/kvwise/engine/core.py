@@ -332,6 +332,12 @@ class EngineCore:
             self._prefill_samples.append((tokens, pairs, cold, seconds))
             self._prefill_fit = None
 
+    def prefill_seconds_per_token(self) -> float | None:
+        """The median seconds per token of recent prefill-only steps (None before any): what a
+        cached token saves, against which a router weighs restoring it from a tier."""
+        samples = [seconds / tokens for tokens, _, _, seconds in list(self._prefill_samples) if tokens]
+        return sorted(samples)[len(samples) // 2] if samples else None
+
     def hit_pad_seconds(self, saved_tokens: int) -> float:
         """How much longer the step just run would have taken had one of its requests computed the
         `saved_tokens` leading prompt tokens it found in the cache: the server holds a shared hit's

@@ -108,7 +108,7 @@ class KVCacheManager:
             if config.prefix_caching
             else None
         )
-        prefix_tiers = PrefixTiers(tiers, storage, pool, tree) if tiers else None
+        prefix_tiers = PrefixTiers(tiers, storage, pool, tree, publish=config.publish_prefixes) if tiers else None
         if prefix_tiers is not None:
             tree.on_evict = prefix_tiers.spill
         swap = HostSwap(storage, config.swap_space_bytes) if config.swap_space_bytes else None
@@ -324,7 +324,7 @@ class KVCacheManager:
         if segment and not request.may_publish_shared:
             if self.tree.match_prefix(tokens[:segment], namespace, touch=False).length < min(segment, len(tokens)):
                 return
-        self.tree.insert(tokens, request.blocks.block_ids, namespace)
+        self.tree.insert(tokens, request.blocks.block_ids, namespace, announce=True)
 
     # ---- blocks ------------------------------------------------------------------------------------
     def blocks_needed(self, request: Request, tokens: int) -> int:
@@ -671,6 +671,7 @@ class KVCacheManager:
         block_bytes = self.storage.block_bytes if self.storage is not None else 0
         quant_pools = list(self.quant_pools.items())
         tiers = self.tiers.tiers if self.tiers is not None else []
+        publisher = self.tiers.publisher if self.tiers is not None else None
         return KVStats(
             block_bytes=block_bytes,
             num_blocks=pool.total,
@@ -703,6 +704,8 @@ class KVCacheManager:
                     self.prefix_stats.hits_tokens[tier.name],
                     tier.stats.corrupt,
                     tier.stats.errors,
+                    getattr(tier, "available", True),
+                    publisher.published if publisher is not None and tier.shared else 0,
                 )
                 for tier in tiers
             ),

@@ -16,6 +16,8 @@ class TierUsage:
     hits_tokens: int
     corrupt: int
     errors: int
+    available: bool = True  # answering now (a tier that failed rests a while; see RedisTier)
+    published_blocks: int = 0  # computed blocks written to it at once (shared tiers with publishing on)
 
 
 @dataclass(frozen=True)

@@ -183,12 +183,26 @@ class _StateCollector:
         tier_errors = CounterMetricFamily(
             "kvwise_prefix_tier_errors", "Lower-tier failures (the block is recomputed)", labels=["tier", "kind"]
         )
+        tier_up = GaugeMetricFamily(
+            "kvwise_prefix_tier_up",
+            "1 while a lower tier answers, 0 while it is down (misses recompute)",
+            labels=["tier"],
+        )
+        published = CounterMetricFamily(
+            "kvwise_prefix_published_blocks",
+            "Computed prefix blocks written to a shared tier at once, for other servers",
+            labels=["tier"],
+        )
         for tier in kv.tiers:
             tier_hits.add_metric([tier.name], tier.hits_tokens)
             tier_errors.add_metric([tier.name, "corrupt"], tier.corrupt)
             tier_errors.add_metric([tier.name, "unavailable"], tier.errors)
+            tier_up.add_metric([tier.name], float(tier.available))
+            published.add_metric([tier.name], tier.published_blocks)
         yield tier_hits
         yield tier_errors
+        yield tier_up
+        yield published
         swapped = CounterMetricFamily("kvwise_swapped_blocks", "Blocks copied between tiers", labels=["direction"])
         swapped.add_metric(["out"], kv.swapped_out_blocks)
         swapped.add_metric(["in"], kv.swapped_in_blocks)

@@ -119,7 +119,15 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument(
         "--redis-url",
         default=None,
-        help="Redis for evicted prefix blocks, last tier (redis://, rediss:// for TLS, user:password@ for ACL users)",
+        help="Redis for evicted prefix blocks, last tier (redis://, rediss:// for TLS, user:password@ for ACL "
+        "users; redis+cluster://host:port for a Redis Cluster, any node)",
+    )
+    parser.add_argument(
+        "--publish-prefixes",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write newly computed prefix blocks to --redis-url at once, for other servers to reuse "
+        "(default: on with --replicas, else off)",
     )
     parser.add_argument(
         "--redis-hmac-key-file",
@@ -179,6 +187,25 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument(
         "--log-request-text", action="store_true", help="with --log-requests: the prompt and output text too"
     )
+    cluster = parser.add_argument_group("scale-out on Ray Serve (the cluster extra)")
+    cluster.add_argument(
+        "--replicas",
+        type=int,
+        default=None,
+        help="run N engine replicas on Ray Serve behind one ingress on --host/--port (KV memory flags are per "
+        "replica; with --redis-url they share prefixes through it)",
+    )
+    cluster.add_argument(
+        "--ray-address", default=None, help="an existing Ray cluster to deploy on (default: start a local one)"
+    )
+    cluster.add_argument(
+        "--router",
+        choices=["kvwise", "pow2", "text-prefix"],
+        default="kvwise",
+        help="kvwise: by where each prefix's blocks are; pow2: Ray's power of two choices; text-prefix: a text "
+        "prefix tree as Ray Serve LLM's PrefixCacheAffinityRouter",
+    )
+    cluster.add_argument("--replica-gpus", type=float, default=0, help="GPUs each replica asks Ray for")
     adaptive = parser.add_argument_group("adaptive KV (kv-policy auto)")
     adaptive.add_argument(
         "--kv-policy",
@@ -249,15 +276,15 @@ def config_file_defaults(parser, path: str) -> dict:
     return defaults
 
 
-def build_app(args):
-    """The app for parsed `serve` arguments (also used by tests, without uvicorn's CLI)."""
+def build_app(args, keys=None):
+    """The app for parsed `serve` arguments (also used by tests, without uvicorn's CLI). keys: the
+    `ServerKeys` to use instead of reading the key files (replicas get the ingress's)."""
     from kvwise.engine.core import EngineCore
-    from kvwise.hf.chat_template import load_chat_template
     from kvwise.models import load_model
-    from kvwise.server.app import ServerSettings, create_app, parse_kv_quant_options
+    from kvwise.server.app import create_app, parse_kv_quant_options
     from kvwise.server.key_files import read_server_keys
 
-    server_keys = read_server_keys(args)
+    server_keys = keys if keys is not None else read_server_keys(args)
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     model_name = model_flag(args)
@@ -272,6 +299,7 @@ def build_app(args):
         swap_space_bytes=int((4.0 if args.swap_space_gb is None else args.swap_space_gb) * (1 << 30)),
         prefix_quota_blocks=args.prefix_quota_blocks,
         fair_prefix_shares=not args.no_fair_prefix_shares,
+        publish_prefixes=publish_prefixes(args),
     )
     kv_quant_options = parse_kv_quant_options(args.kv_quant_options)
     default_quant = kv_cache_dtype(args, kv_quant_options)
@@ -283,7 +311,7 @@ def build_app(args):
         from kvwise.engine.cpu_kernel import kernel_status
 
         log.info("%s", kernel_status())
-    name = args.served_model_name or (EMBEDDED_NAME if model_name is None else Path(model_name.rstrip("/")).name)
+    name = served_name(args)
     cache = size_pool(args, model, cache, budget)
     controller = adaptive_controller(args, adaptive, model, tokenizer) if adaptive is not None else None
     core = EngineCore(model, tokenizer, cache, tiers, namespace_key=server_keys.namespace)
@@ -299,7 +327,32 @@ def build_app(args):
     )
     if controller is not None:
         core.attach_controller(controller)
-    settings = ServerSettings(
+    settings = server_settings(args, name, server_keys, kv_quant_options, default_quant)
+    return create_app(core, settings)
+
+
+def publish_prefixes(args) -> bool:
+    """--publish-prefixes: on by default with --replicas (the replicas share prefixes through Redis)."""
+    wanted = args.publish_prefixes
+    if wanted is None:
+        wanted = getattr(args, "replicas", None) is not None and bool(args.redis_url)
+    if wanted and not args.redis_url:
+        raise ValueError("--publish-prefixes writes computed blocks to Redis: give --redis-url too")
+    return bool(wanted)
+
+
+def served_name(args) -> str:
+    """The name clients send as `model`: --served-model-name, else the model directory's name."""
+    model_name = model_flag(args)
+    return args.served_model_name or (EMBEDDED_NAME if model_name is None else Path(model_name.rstrip("/")).name)
+
+
+def server_settings(args, name: str, server_keys, kv_quant_options, default_quant):
+    """The app's `ServerSettings` from the flags."""
+    from kvwise.hf.chat_template import load_chat_template
+    from kvwise.server.app import ServerSettings
+
+    return ServerSettings(
         name,
         server_keys.api_keys,
         args.max_queue,
@@ -317,7 +370,6 @@ def build_app(args):
         log_requests=args.log_requests or args.log_request_text,
         log_request_text=args.log_request_text,
     )
-    return create_app(core, settings)
 
 
 def model_flag(args) -> str | None:

@@ -31,6 +31,7 @@ class TierStats:
 
 class Tier(ABC):
     name: str
+    shared = False  # True: other servers read it too (Redis), so computed blocks are worth publishing
 
     def __init__(self):
         self.stats = TierStats()

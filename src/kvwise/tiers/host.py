@@ -36,6 +36,10 @@ class HostTier(Tier):
             self.stats.hits += 1
             return block.clone()
 
+    def keys(self) -> list[bytes]:
+        with self._lock:
+            return list(self._blocks)
+
     def put(self, key: bytes, block: torch.Tensor) -> bool:
         with self._lock:
             return self._put(key, block)

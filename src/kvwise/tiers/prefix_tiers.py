@@ -5,6 +5,10 @@
     nodes = tiers.extend(tokens, namespace, match, usable_blocks=n)   # lock -> promote -> unlock
     future = tiers.prefetch(tokens, namespace)                          # slow tiers -> the first, in the background
 
+With `publish=True`, blocks the tree takes as they are computed are also written to the shared
+tiers (Redis) at once, off the engine's step (`tiers.publisher`), so other servers on the same
+Redis find them before this one evicts them.
+
 Shared by the library path (`hf.PrefixReuse`) and the engine (`engine.KVCacheManager`): a block
 evicted from the device is written to every tier; a prompt whose cached prefix ends on the device
 continues block by block in the tiers (host, then disk, then Redis, in the order given), and the
@@ -31,6 +35,7 @@ from kvwise.core.hashing import Namespace, chain_keys
 from kvwise.core.radix import Match, Node, RadixCache
 from kvwise.kv.paged import PagedKVStorage
 from kvwise.tiers.base import Tier
+from kvwise.tiers.publisher import SharedPublisher
 
 
 @dataclass
@@ -63,6 +68,7 @@ class PrefixTiers:
         pool: BlockPool,
         tree: RadixCache,
         stats: ReuseStats | None = None,
+        publish: bool = False,
     ):
         self.tiers, self.storage, self.pool, self.tree = list(tiers), storage, pool, tree
         self.block_size = pool.block_size
@@ -71,13 +77,25 @@ class PrefixTiers:
         # would otherwise turn every tier cold at once) and come back under the current keys
         self.retired_secrets: tuple[bytes, ...] = ()
         self._prefetcher: ThreadPoolExecutor | None = None
+        self.restore_seconds: Counter = Counter()  # tier name -> seconds spent fetching blocks found there
+        self.restored_blocks: Counter = Counter()  # tier name -> blocks found there
+        shared = [tier for tier in self.tiers if tier.shared]
+        self.publisher = SharedPublisher(shared) if publish and shared else None
+        if self.publisher is not None:
+            tree.on_insert = self.publish
+
+    def publish(self, node: Node) -> None:
+        """Queue a just-computed block for the shared tiers (RadixCache.on_insert)."""
+        self.publisher.offer(node.key, self.block_tensor(node.block))
 
     def spill(self, node: Node) -> None:
-        """Write an evicted device block to every tier (RadixCache.on_evict: before it is zeroed)."""
+        """Write an evicted device block to every tier (RadixCache.on_evict: before it is zeroed);
+        a shared tier is skipped for a block published there already."""
         data = self.block_tensor(node.block)
         self.stats.evictions += 1
         self.stats.evicted_bytes += data.nbytes
-        accepted = [self._put(tier, node.key, data) for tier in self.tiers]
+        published = self.publisher is not None and self.publisher.published_recently(node.key)
+        accepted = [published and tier.shared or self._put(tier, node.key, data) for tier in self.tiers]
         if any(accepted):
             self.stats.spilled_bytes += data.nbytes
             self.stats.spilled_blocks += 1
@@ -175,8 +193,11 @@ class PrefixTiers:
         """(tier name, block) from the first tier that has `key`, or None."""
         for tier in self.tiers:
             corrupt_before, errors_before = tier.stats.corrupt, tier.stats.errors
+            started = time.perf_counter()
             data = self._get(tier, key)
             if data is not None and self._fits(data):
+                self.restore_seconds[tier.name] += time.perf_counter() - started
+                self.restored_blocks[tier.name] += 1
                 return tier.name, data
             if data is not None:  # another geometry under this key (a checkpoint swapped in place)
                 tier.stats.corrupt += 1
@@ -185,6 +206,10 @@ class PrefixTiers:
             if tier.stats.corrupt > corrupt_before or tier.stats.errors > errors_before:
                 self.stats.recomputed_blocks += 1
         return None
+
+    def restore_seconds_per_block(self) -> dict[str, float]:
+        """Measured seconds to fetch one block, per tier that has returned any."""
+        return {name: self.restore_seconds[name] / count for name, count in list(self.restored_blocks.items()) if count}
 
     def store_blob(self, key: bytes, blob: torch.Tensor) -> bool:
         """Write an entry that is not one block (a compressed document) to every tier; True when

@@ -26,6 +26,10 @@ Connection security comes from the URL, as redis-py reads it: `redis://user:pass
 for AUTH and ACL users, and `rediss://...?ssl_ca_certs=ca.pem` (plus `ssl_certfile`/`ssl_keyfile`
 for client certificates) for TLS; tests/test_redis_auth_tls.py runs each against a real server.
 
+A Redis Cluster is asked for with `cluster=True` or a `redis+cluster://` (`rediss+cluster://`)
+URL naming any node. A server that cannot reach Redis at startup serves without it and connects
+at a later call, once `retry_seconds` have passed.
+
 Redis being down never fails a request: every call catches redis errors, counts them in
 `stats.errors`, and answers as a miss (get) or a refused write (put), after at most one socket
 timeout: redis-py's retries are off, and a failure makes calls fail fast for `retry_seconds`
@@ -51,6 +55,7 @@ from kvwise.tiers.payload import CorruptBlock, decode_block, encode_block
 
 HMAC_ENVIRONMENT = "KVWISE_REDIS_HMAC_KEY"
 KEY_ENVIRONMENT = "KVWISE_REDIS_KEY"  # hex; several, comma-separated, during a rotation
+CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
 TAG_BYTES = 32
 NONCE_BYTES = 12
 
@@ -109,19 +114,20 @@ def _tag(hmac_key: bytes, name: bytes, payload: bytes) -> bytes:
 
 class RedisTier(Tier):
     """Args:
-    url: "redis://[user:password@]host:port/db", or "rediss://..." for TLS (for a cluster, any
-        node's URL).
+    url: "redis://[user:password@]host:port/db", or "rediss://..." for TLS; for a cluster, any
+        node's URL, as "redis+cluster://host:port" (or with cluster=True).
     hmac_key: one key (bytes, or a string used as UTF-8) or a list; default from
         KVWISE_REDIS_HMAC_KEY. Required unless an encryption key is given.
     encryption_key: one AES-256 key (32 bytes, or hex) or a list; default from KVWISE_REDIS_KEY
         (hex, comma-separated for a list). With it, values are encrypted.
     ttl_seconds: how long an entry lives.
-    cluster: use redis-py's RedisCluster client.
+    cluster: use redis-py's RedisCluster client (implied by a `+cluster` scheme).
     timeout_seconds: the socket timeout, the longest one call waits.
     retry_seconds: after a failure, calls answer at once (a miss) for this long.
     """
 
     name = "redis"
+    shared = True  # other servers read what this one writes: newly computed blocks may be published
 
     def __init__(
         self,
@@ -148,7 +154,8 @@ class RedisTier(Tier):
         # at every eviction, and must not wait out a timeout per block while Redis is down
         self.retry_seconds, self._down_until = retry_seconds, 0.0
         redis = require("redis", "redis", "the Redis tier")
-        self._errors = (redis.RedisError, OSError)
+        # RedisClusterException: no node of a cluster answered (it is no RedisError)
+        self._errors = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
         self._response_error = redis.ResponseError
         from redis.backoff import NoBackoff
         from redis.retry import Retry
@@ -161,12 +168,33 @@ class RedisTier(Tier):
             "socket_connect_timeout": timeout_seconds,
             "retry": Retry(NoBackoff(), 0),
         }
+        scheme, separator, rest = url.partition("://")
+        if separator and scheme.lower() in CLUSTER_SCHEMES:
+            url, cluster = f"{CLUSTER_SCHEMES[scheme.lower()]}://{rest}", True
+        self.cluster = cluster
         if cluster:
             from redis.cluster import RedisCluster
 
-            self.client = RedisCluster.from_url(url, **options)
+            # RedisCluster reads the slot map when built: a cluster that is down at startup is
+            # connected to later (`_connected`), and the server serves without it meanwhile
+            self._connect = lambda: RedisCluster.from_url(url, **options)
+            self.client = None
+            self._connected()
         else:
             self.client = redis.Redis.from_url(url, retry_on_timeout=False, **options)
+
+    def _connected(self) -> bool:
+        """Whether there is a client; builds one when there is none and the retry window is over."""
+        if self.client is not None:
+            return True
+        if time.monotonic() < self._down_until:
+            return False
+        try:
+            self.client = self._connect()
+        except self._errors as error:
+            self._failed(error)
+            return False
+        return True
 
     def set_keys(self, hmac_keys: KeyOrKeys = None, encryption_keys: KeyOrKeys = None) -> None:
         """Replace the keys (a rotation: new first, old after, until old entries have expired).
@@ -217,10 +245,15 @@ class RedisTier(Tier):
 
     def _resting(self) -> bool:
         """True (and counted as an error) while a recent failure says Redis is down."""
-        if time.monotonic() < self._down_until:
+        if time.monotonic() < self._down_until or not self._connected():
             self.stats.errors += 1
             return True
         return False
+
+    @property
+    def available(self) -> bool:
+        """Whether calls go to Redis now (False inside the fail-fast window after a failure)."""
+        return time.monotonic() >= self._down_until and self.client is not None
 
     def put(self, key: bytes, block: torch.Tensor) -> bool:
         if self._resting():
@@ -236,6 +269,33 @@ class RedisTier(Tier):
             return False
         self.stats.puts += 1
         return True
+
+    def put_many(self, items: Sequence[tuple[bytes, torch.Tensor]]) -> int:
+        """Store several blocks in one round trip (a pipeline; on a cluster, one per node); returns
+        how many Redis took. A failure refuses the rest, as `put` does."""
+        if not items:
+            return 0
+        if self._resting():
+            self.stats.refused_puts += len(items)
+            return 0
+        pipeline = self.client.pipeline(transaction=False)
+        for key, block in items:
+            name = self._name(key)
+            pipeline.set(name, self._seal(name, encode_block(key, block)), ex=self.ttl_seconds)
+        try:
+            results = pipeline.execute(raise_on_error=False)
+        except self._errors as error:
+            self._failed(error)
+            self.stats.refused_puts += len(items)
+            return 0
+        taken = sum(1 for result in results if result is True)
+        if taken < len(items):
+            failures = [result for result in results if isinstance(result, Exception)]
+            if failures:
+                self._failed(failures[0])
+        self.stats.puts += taken
+        self.stats.refused_puts += len(items) - taken
+        return taken
 
     def get(self, key: bytes) -> torch.Tensor | None:
         self.stats.gets += 1

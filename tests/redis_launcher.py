@@ -32,6 +32,7 @@ def redis_binary(name: str = "redis-server") -> str:
 class RedisProcess:
     port: int
     process: subprocess.Popen
+    command: list[str] | None = None  # how it was started: `restart` starts it again, same port and folder
 
     @property
     def url(self) -> str:
@@ -42,30 +43,45 @@ class RedisProcess:
             self.process.terminate()
             self.process.wait(timeout=10)
 
+    def kill(self) -> None:
+        """SIGKILL: a node that dies, not one shut down."""
+        if self.process.poll() is None:
+            self.process.kill()
+            self.process.wait(timeout=10)
+
+    def restart(self) -> None:
+        self.process = subprocess.Popen(self.command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _wait_for_ping(self.port, self.process)
+
 
 def start_redis(directory: Path, *extra: str) -> RedisProcess:
     """A redis-server with persistence off, answering PING; RuntimeError if it does not start."""
-    import redis
-
     directory.mkdir(parents=True, exist_ok=True)
     port = free_port(below=55000 if "--cluster-enabled" in extra else 65536)
     command = [redis_binary(), "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-    process = subprocess.Popen(
-        [*command, "--dir", str(directory), *extra], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
+    command = [*command, "--dir", str(directory), *extra]
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    _wait_for_ping(port, process)
+    return RedisProcess(port, process, command)
+
+
+def _wait_for_ping(port: int, process: subprocess.Popen) -> None:
+    import redis
+
     client = redis.Redis(host="127.0.0.1", port=port, socket_connect_timeout=0.2)
     for _ in range(100):
         try:
             if client.ping():
-                return RedisProcess(port, process)
+                return
         except redis.ConnectionError:
             time.sleep(0.05)
     process.terminate()
     raise RuntimeError(f"redis-server did not start on port {port}")
 
 
-def start_cluster(directory: Path, nodes: int = 3) -> list[RedisProcess]:
-    """`nodes` cluster-enabled servers joined into one cluster (no replicas), state ok."""
+def start_cluster(directory: Path, nodes: int = 3, replicas: int = 0) -> list[RedisProcess]:
+    """`nodes` cluster-enabled servers joined into one cluster, `replicas` replicas per master
+    (3 nodes and 0: three masters; 6 and 1: three masters with a replica each), state ok."""
     import redis
 
     servers = [
@@ -74,7 +90,8 @@ def start_cluster(directory: Path, nodes: int = 3) -> list[RedisProcess]:
     ]
     addresses = [f"127.0.0.1:{server.port}" for server in servers]
     subprocess.run(
-        [redis_binary("redis-cli"), "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+        [redis_binary("redis-cli"), "--cluster", "create", *addresses, "--cluster-replicas", str(replicas)]
+        + ["--cluster-yes"],
         check=True,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -83,9 +100,32 @@ def start_cluster(directory: Path, nodes: int = 3) -> list[RedisProcess]:
     for server in servers:
         client = redis.Redis(host="127.0.0.1", port=server.port)
         for _ in range(200):
-            if client.cluster("info").get("cluster_state") == "ok":
+            if cluster_ok(client):
                 break
             time.sleep(0.05)
         else:
             raise RuntimeError("the Redis cluster did not reach state ok")
     return servers
+
+
+def cluster_ok(client) -> bool:
+    import redis
+
+    try:
+        return client.cluster("info").get("cluster_state") == "ok"
+    except redis.RedisError:
+        return False
+
+
+def masters(servers: list[RedisProcess]) -> list[RedisProcess]:
+    """The nodes that are masters now."""
+    import redis
+
+    found = []
+    for server in servers:
+        try:
+            if redis.Redis(host="127.0.0.1", port=server.port).info("replication")["role"] == "master":
+                found.append(server)
+        except redis.RedisError:
+            continue
+    return found

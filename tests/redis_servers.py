@@ -18,9 +18,9 @@ def start_redis(directory: Path, *extra: str) -> local_redis.RedisProcess:
         pytest.fail(f"{error}; `make test` and .ci/run install redis-server with apt-get")
 
 
-def start_cluster(directory: Path, nodes: int = 3) -> list[local_redis.RedisProcess]:
+def start_cluster(directory: Path, nodes: int = 3, replicas: int = 0) -> list[local_redis.RedisProcess]:
     try:
-        return local_redis.start_cluster(directory, nodes)
+        return local_redis.start_cluster(directory, nodes, replicas)
     except RuntimeError as error:
         pytest.fail(f"{error}; `make test` and .ci/run install redis-server with apt-get")
 

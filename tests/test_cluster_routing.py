@@ -153,3 +153,13 @@ def test_a_request_the_server_would_refuse_is_routed_without_names(served):
     assert routing.annotate(broken).blocks == []
     unknown = _routed("/v1/completions", {"model": "tiny", "prompt": "x" * 40}, "no-such-key")
     assert routing.annotate(unknown).blocks == []
+
+
+def test_a_prefix_cached_nowhere_goes_to_the_replica_holding_fewest_blocks():
+    directory = PrefixDirectory(block_size=16)
+    directory.report("a", {DEVICE: [1, 2, 3]})
+    directory.report("b", {DEVICE: [4]})
+    assert directory.rank(["a", "b"], [9, 10], 40)[0].replica == "b"
+    directory.routed("b", "r", [11, 12, 13, 14], 64)
+    directory.completed("b", "r")
+    assert directory.rank(["a", "b"], [20, 21], 40)[0].replica == "a"

@@ -19,7 +19,7 @@ from tests.base_model import character_tokenizer
 MAX_POSITIONS = 512
 
 
-def save_tiny_llama(directory: Path) -> Path:
+def save_tiny_llama(directory: Path, max_positions: int = MAX_POSITIONS) -> Path:
     tokenizer = character_tokenizer()
     torch.manual_seed(0)
     config = LlamaConfig(
@@ -29,7 +29,7 @@ def save_tiny_llama(directory: Path) -> Path:
         num_hidden_layers=3,
         num_attention_heads=4,
         num_key_value_heads=2,
-        max_position_embeddings=MAX_POSITIONS,
+        max_position_embeddings=max_positions,
         bos_token_id=1,
         eos_token_id=2,
         pad_token_id=0,

@@ -120,8 +120,7 @@ def _deploy(replica_args, replicas: int, router: str, stats_period: float, local
     cores = os.cpu_count() or 1
     threads = max(1, cores // replicas) if local else None
     cpus = min(1.0, cores / replicas) if local else 1.0
-    if local:
-        serve.start(proxy_location="Disabled")
+    serve.start(proxy_location="Disabled")  # the ingress is kvwise's own: Ray's HTTP proxy is not needed
     deployment = serve.deployment(EngineReplica, name=DEPLOYMENT_NAME).options(
         num_replicas=replicas,
         max_ongoing_requests=replica_args.max_queue + replica_args.max_running,

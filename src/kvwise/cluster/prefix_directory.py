@@ -125,7 +125,9 @@ class PrefixDirectory:
             saved = sum(count * (1.0 - min(1.0, restore[tier])) for tier, count in matched.items())
             uncached = max(0.0, prompt_tokens - saved * self.block_size)
             choices.append(Choice(replica, matched, self.queued_tokens(replica) + uncached + self._decode(replica)))
-        choices.sort(key=lambda choice: (choice.cost, self.load(choice.replica)))
+        # at equal cost (nothing cached anywhere), the replica holding the fewest blocks: new
+        # prefixes spread, as SGLang's router sends a miss to the smallest tree
+        choices.sort(key=lambda choice: (choice.cost, self.load(choice.replica), self.held(choice.replica)))
         if len(choices) > 1:
             least = min(choices, key=lambda choice: self.load(choice.replica))
             if self.load(choices[0].replica) - self.load(least.replica) >= self.imbalance:
@@ -138,6 +140,11 @@ class PrefixDirectory:
         replica reported, whichever is more."""
         report = self.reports.get(replica, ReplicaReport())
         return max(len(self._in_flight.get(replica, {})), report.running + report.waiting)
+
+    def held(self, replica: str) -> int:
+        """Blocks the replica's device holds, as far as the router knows."""
+        report = self.reports.get(replica, ReplicaReport())
+        return len(report.device) + len(self._fresh_routed(replica).keys() - report.device)
 
     def queued_tokens(self, replica: str) -> float:
         report = self.reports.get(replica, ReplicaReport())

@@ -26,6 +26,7 @@ def names(text: str) -> list[str]:
 
 def add_bench_parsers(workloads) -> None:
     add_adaptive_parser(workloads)
+    add_cluster_parser(workloads)
     niah = workloads.add_parser("niah", help="needle in a haystack under compression")
     niah.add_argument("--policies", type=names, default=None)
     niah.add_argument("--ratios", type=floats, default=None)
@@ -183,8 +184,46 @@ def _adaptive(args) -> None:
     print(f"wrote {args.out / 'adaptive.json'}")
 
 
+def add_cluster_parser(workloads) -> None:
+    cluster = workloads.add_parser(
+        "cluster", help="RAG on engine replicas on Ray Serve: routers, with and without the shared Redis tier"
+    )
+    cluster.add_argument("--model", default=None)
+    cluster.add_argument("--replicas", type=int, default=None, help="replicas per multi-replica system (default 2)")
+    cluster.add_argument("--requests", type=int, default=None, help="RAG requests (default 48; 24 with --quick)")
+    cluster.add_argument("--concurrency", type=int, default=None, help="streaming clients in a closed loop (4)")
+    cluster.add_argument(
+        "--redis-url",
+        default=None,
+        help="the shared tier, e.g. redis+cluster://127.0.0.1:7000 (default: the +redis systems are left out)",
+    )
+    cluster.add_argument("--systems", type=names, default=None, help="single,kvwise+redis,kvwise,pow2+redis,...")
+    cluster.add_argument("--seed", type=int, default=None)
+    cluster.add_argument("--out", type=Path, default=Path("results"))
+    cluster.add_argument("--quick", action="store_true", help="24 requests, 6 documents of 300-600 tokens")
+
+
+def _cluster(args) -> None:
+    from kvwise.core.extras import require
+
+    require("ray.serve", "cluster", "kvwise bench cluster")
+    from kvwise.bench.cluster import ClusterConfig, run_cluster_bench
+
+    config = ClusterConfig(model=args.model, redis_url=args.redis_url)
+    if args.quick:
+        config.requests, config.documents, config.document_tokens = 24, 6, (300, 600)
+        config.system_prompt_tokens = 200
+    if args.systems is not None:
+        args.systems = tuple(args.systems)
+    _override(config, args, ("replicas", "requests", "concurrency", "systems", "seed"))
+    run_cluster_bench(config, args.out)
+    print((args.out / "cluster.md").read_text())
+    print(f"wrote {args.out / 'cluster.json'}")
+
+
 def run_bench(args) -> None:
     commands = {"niah": _niah, "ppl": _ppl, "reuse": _reuse, "throughput": _throughput, "rag": _rag}
+    commands["cluster"] = _cluster
     commands["isolation"], commands["load"], commands["adaptive"] = _isolation, _load, _adaptive
     commands[args.workload](args)
 

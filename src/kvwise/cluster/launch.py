@@ -12,6 +12,7 @@ keys, so block names, API keys and Redis entries agree across replicas on any no
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass, field
@@ -71,6 +72,8 @@ def deploy(
     if router not in ROUTERS:
         raise ValueError(f"unknown router {router!r}; choose one of: {', '.join(ROUTERS)}")
     replica_args = per_replica_args(args, replicas)
+    keys = cluster_keys(replica_args)
+    check_flags(replica_args, keys)  # here, once: a replica that cannot start is retried by Ray, not reported
     if ray_address is None:
         check_fits(replica_args, replicas, _available_memory())
     import ray
@@ -93,8 +96,8 @@ def deploy(
             if memory:
                 check_fits(replica_args, replicas, int(memory))
     try:
-        handle = _deploy(replica_args, replicas, router, stats_period, started_ray)
-        ingress = _ingress(args, handle, replica_args)
+        handle = _deploy(replica_args, keys, replicas, router, stats_period, started_ray)
+        ingress = _ingress(args, handle, replica_args, keys)
     except BaseException:
         if started_ray:
             from ray import serve
@@ -107,16 +110,44 @@ def deploy(
     return Cluster(create_ingress_app(ingress), handle, replicas, started_ray, ingress)
 
 
-def _deploy(replica_args, replicas: int, router: str, stats_period: float, local: bool):
+def cluster_keys(args):
+    """The server's keys, read once here; Redis keys given only through the environment are
+    carried too, so replicas on other nodes need neither key files nor variables."""
+    from kvwise.server.key_files import read_server_keys
+    from kvwise.tiers.redis_tier import HMAC_ENVIRONMENT, KEY_ENVIRONMENT
+
+    keys = read_server_keys(args)
+    if keys.redis_hmac is None and os.environ.get(HMAC_ENVIRONMENT):
+        keys = dataclasses.replace(keys, redis_hmac=[os.environ[HMAC_ENVIRONMENT]])
+    if keys.redis_encryption is None and os.environ.get(KEY_ENVIRONMENT):
+        encryption = [key for key in os.environ[KEY_ENVIRONMENT].split(",") if key.strip()]
+        keys = dataclasses.replace(keys, redis_encryption=encryption)
+    return keys
+
+
+def check_flags(args, keys) -> None:
+    """Every check a replica's server makes of its flags before it loads the model."""
+    from kvwise.server.app import parse_kv_quant_options
+    from kvwise.server.serve import adaptive_config, kv_cache_dtype, kv_memory_flag, prefix_tiers, publish_prefixes
+
+    if args.max_queue < 1:
+        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
+    options = parse_kv_quant_options(args.kv_quant_options)
+    kv_cache_dtype(args, options)
+    adaptive_config(args, options)
+    kv_memory_flag(args)
+    publish_prefixes(args)
+    prefix_tiers(args, keys)  # builds no connection to Redis; refuses missing keys
+
+
+def _deploy(replica_args, keys, replicas: int, router: str, stats_period: float, local: bool):
     from ray import serve
     from ray.serve.config import RequestRouterConfig
     from ray.serve.schema import LoggingConfig
 
     from kvwise.cluster.replica import EngineReplica
     from kvwise.cluster.routers import ROUTERS
-    from kvwise.server.key_files import read_server_keys
 
-    keys = read_server_keys(replica_args)  # read here, once: replicas on other nodes need no key files
     cores = os.cpu_count() or 1
     threads = max(1, cores // replicas) if local else None
     cpus = min(1.0, cores / replicas) if local else 1.0
@@ -141,16 +172,14 @@ def _deploy(replica_args, replicas: int, router: str, stats_period: float, local
     )
 
 
-def _ingress(args, handle, replica_args):
+def _ingress(args, handle, replica_args, keys):
     from kvwise.cluster.ingress import Ingress
     from kvwise.cluster.routed_request import PromptEncoder, RoutingKeys
     from kvwise.cluster.router_registry import ACTIVE_ROUTERS
     from kvwise.models import load_tokenizer
     from kvwise.server.app import _Handlers, parse_kv_quant_options
-    from kvwise.server.key_files import read_server_keys
     from kvwise.server.serve import kv_cache_dtype, model_flag, served_name, server_settings
 
-    keys = read_server_keys(replica_args)
     described = handle.describe.remote().result(timeout_s=600)
     options = parse_kv_quant_options(args.kv_quant_options)
     settings = server_settings(args, served_name(args), keys, options, kv_cache_dtype(args, options))

@@ -155,6 +155,8 @@ def _deploy(replica_args, keys, replicas: int, router: str, stats_period: float,
     deployment = serve.deployment(EngineReplica, name=DEPLOYMENT_NAME).options(
         num_replicas=replicas,
         max_ongoing_requests=replica_args.max_queue + replica_args.max_running,
+        # beyond what every replica queues, the front door answers 503 instead of holding requests
+        max_queued_requests=replica_args.max_queue * replicas,
         ray_actor_options={"num_cpus": cpus, "num_gpus": getattr(replica_args, "replica_gpus", 0) or 0},
         health_check_period_s=2.0,
         health_check_timeout_s=30.0,

@@ -174,6 +174,12 @@ def test_requests_sharing_a_prefix_go_where_it_is_and_tenants_never_share(cluste
     assert len({replicas[0] for replicas in served_by.values()}) == 2  # and the documents spread
     bob = client_for(url, BOB).completions.create(model="tiny", prompt=prompt_ids(100, 120), max_tokens=2)
     assert bob.usage.prompt_tokens_details.cached_tokens == 0  # alice's blocks are not bob's, in any tier
+    from kvwise.cluster.router_registry import ACTIVE_ROUTERS
+
+    directory = ACTIVE_ROUTERS["kvwise-engine"].directory
+    assert not any(directory._in_flight.values())  # every finished request left the router's load
+    state = [*directory.shared, *(b for r in directory.reports.values() for b in r.device | r.host)]
+    assert state and all(isinstance(block, int) for block in state)  # salted block names, nothing else
 
 
 def test_metrics_join_the_replicas_with_a_replica_label(cluster):

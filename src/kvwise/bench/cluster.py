@@ -35,10 +35,10 @@ SYSTEMS = ("single", "kvwise+redis", "kvwise", "pow2+redis", "pow2", "text-prefi
 
 @dataclass
 class ClusterConfig(RagWorkload):
-    requests: int = 48
+    requests: int = 64
     documents: int = 8
     system_prompt_tokens: int = 300
-    document_tokens: tuple[int, int] = (600, 1200)
+    document_tokens: tuple[int, int] = (1000, 2000)
     question_tokens: tuple[int, int] = (20, 60)
     output_tokens: int = 16
     model: str | None = None
@@ -47,6 +47,11 @@ class ClusterConfig(RagWorkload):
     redis_url: str | None = None  # redis:// or redis+cluster://; without it, the +redis systems are left out
     systems: tuple[str, ...] = SYSTEMS
     stats_period: float = 0.5  # seconds between replicas' routing reports
+    # each replica's KV pool holds this share of the workload's distinct prefixes (the system
+    # prompt and the documents), besides room for the requests running: one replica cannot keep
+    # every document, two can if each keeps its own. The single replica gets the same pool.
+    cache_share: float = 0.5
+    pool_blocks: int | None = None  # set from cache_share for the run
 
     def __post_init__(self):
         super().__post_init__()
@@ -68,7 +73,9 @@ def run_cluster_bench(config: ClusterConfig, out_dir: Path) -> dict:
     from kvwise.models import load_tokenizer
 
     tokenizer = load_tokenizer(config.model)
-    prompts = [tokenizer.decode(ids) for ids, _ in rag_prompts(tokenizer, config)]
+    parts = rag_prompts(tokenizer, config)
+    prompts = [tokenizer.decode(ids) for ids, _ in parts]
+    config.pool_blocks = pool_blocks(config, parts)
     systems = [s for s in config.systems if "+redis" not in s or config.redis_url]
     skipped = [s for s in config.systems if s not in systems]
     if skipped:
@@ -98,6 +105,15 @@ def run_cluster_bench(config: ClusterConfig, out_dir: Path) -> dict:
     return report
 
 
+def pool_blocks(config: ClusterConfig, parts: list[tuple[list[int], int]], block_size: int = 16) -> int:
+    """Blocks for `cache_share` of the distinct prefixes, plus the longest prompts running at once."""
+    prefixes = {tuple(ids[:end]) for ids, end in parts}
+    documents = {prefix[config.system_prompt_tokens :] for prefix in prefixes}
+    distinct = config.system_prompt_tokens + sum(map(len, documents))
+    running = sorted((len(ids) + config.output_tokens for ids, _ in parts), reverse=True)[: config.concurrency]
+    return int(config.cache_share * distinct / block_size) + sum(-(-tokens // block_size) for tokens in running)
+
+
 def _run_system(system: str, config: ClusterConfig, prompts: list[str], progress) -> dict:
     from kvwise.cli import build_parser
     from kvwise.cluster.launch import deploy
@@ -108,6 +124,7 @@ def _run_system(system: str, config: ClusterConfig, prompts: list[str], progress
         key_file = Path(folder) / "namespace"
         key_file.write_text(secrets.token_hex(32))  # a cold cache: no system reuses another's blocks
         flags = ["serve", "--namespace-key-file", str(key_file), "--log-stats-interval", "0", "--log-level", "warning"]
+        flags += ["--num-blocks", str(config.pool_blocks), "--swap-space-gb", "1"]
         if config.model:
             flags += ["--model", config.model]
         if tier:
@@ -248,7 +265,9 @@ def markdown(report: dict) -> str:
         f"Cluster RAG serving: {config['requests']} requests, {config['documents']} documents (Zipf "
         f"{config['zipf_exponent']}), {config['concurrency']} streaming clients in a closed loop, "
         f"{config['output_tokens']} output tokens each, {config['replicas']} replicas on a local Ray Serve, "
-        f"model={config['model'] or 'SmolLM2-135M-Instruct'}, shared tier {config['redis_url'] or 'none'}",
+        f"model={config['model'] or 'SmolLM2-135M-Instruct'}, shared tier {config['redis_url'] or 'none'}, "
+        f"a pool of {config['pool_blocks']:,} blocks per replica ({config['cache_share']:.0%} of the distinct "
+        "prefixes, plus the running requests)",
         f"system: kvwise {report['system']['kvwise']}, {report['system']['hardware']}",
         "",
         "| system | replicas | hit rate | device / host / Redis | TTFT p50 / p99 (s) | output tok/s | "

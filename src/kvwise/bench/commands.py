@@ -190,7 +190,7 @@ def add_cluster_parser(workloads) -> None:
     )
     cluster.add_argument("--model", default=None)
     cluster.add_argument("--replicas", type=int, default=None, help="replicas per multi-replica system (default 2)")
-    cluster.add_argument("--requests", type=int, default=None, help="RAG requests (default 48; 24 with --quick)")
+    cluster.add_argument("--requests", type=int, default=None, help="RAG requests (default 64; 40 with --quick)")
     cluster.add_argument("--concurrency", type=int, default=None, help="streaming clients in a closed loop (4)")
     cluster.add_argument(
         "--redis-url",
@@ -200,7 +200,7 @@ def add_cluster_parser(workloads) -> None:
     cluster.add_argument("--systems", type=names, default=None, help="single,kvwise+redis,kvwise,pow2+redis,...")
     cluster.add_argument("--seed", type=int, default=None)
     cluster.add_argument("--out", type=Path, default=Path("results"))
-    cluster.add_argument("--quick", action="store_true", help="24 requests, 6 documents of 300-600 tokens")
+    cluster.add_argument("--quick", action="store_true", help="40 requests, 6 documents of 800-1200 tokens")
 
 
 def _cluster(args) -> None:
@@ -211,8 +211,7 @@ def _cluster(args) -> None:
 
     config = ClusterConfig(model=args.model, redis_url=args.redis_url)
     if args.quick:
-        config.requests, config.documents, config.document_tokens = 24, 6, (300, 600)
-        config.system_prompt_tokens = 200
+        config.requests, config.documents, config.document_tokens = 40, 6, (800, 1200)
     if args.systems is not None:
         args.systems = tuple(args.systems)
     _override(config, args, ("replicas", "requests", "concurrency", "systems", "seed"))

@@ -34,6 +34,7 @@ class ReplicaReport:
     running: int = 0
     waiting: int = 0
     restore_cost: dict[str, float] = field(default_factory=dict)
+    reported_at: float = 0.0  # the replica's wall clock when it made the report
 
     @classmethod
     def from_stats(cls, stats: dict | None) -> ReplicaReport:
@@ -45,6 +46,7 @@ class ReplicaReport:
             int(stats.get("running", 0)),
             int(stats.get("waiting", 0)),
             dict(stats.get("restore_cost", {})),
+            float(stats.get("reported_at", 0.0)),
         )
 
 
@@ -68,7 +70,8 @@ class PrefixDirectory:
         self.reports: dict[str, ReplicaReport] = {}
         self.shared: set[int] = set()  # blocks on the shared tier (Redis), which every replica reads
         self._routed: dict[str, dict[int, float]] = {}  # replica -> block -> when the router sent it there
-        self._in_flight: dict[str, dict[str, int]] = {}  # replica -> request id -> uncached prefill tokens
+        # replica -> request id -> (uncached prefill tokens, wall time it was sent)
+        self._in_flight: dict[str, dict[str, tuple[int, float]]] = {}
 
     # ---- what the replicas and the router learn -------------------------------------------------
     def report(self, replica: str, stats: dict | None) -> None:
@@ -90,7 +93,7 @@ class PrefixDirectory:
         """The router sent a request there: its blocks will be on that device (before any report)."""
         now = time.monotonic()
         self._routed.setdefault(replica, {}).update(dict.fromkeys(blocks, now))
-        self._in_flight.setdefault(replica, {})[request_id] = uncached_tokens
+        self._in_flight.setdefault(replica, {})[request_id] = (uncached_tokens, time.time())
 
     def completed(self, replica: str, request_id: str) -> None:
         self._in_flight.get(replica, {}).pop(request_id, None)
@@ -147,8 +150,14 @@ class PrefixDirectory:
         return len(report.device) + len(self._fresh_routed(replica).keys() - report.device)
 
     def queued_tokens(self, replica: str) -> float:
+        """Prefill tokens ahead of a new request there: what the replica last reported queued, plus
+        what the router sent it since (a request already prefilled no longer counts, though it
+        is still in flight)."""
         report = self.reports.get(replica, ReplicaReport())
-        return max(float(sum(self._in_flight.get(replica, {}).values())), float(report.queued_prefill_tokens))
+        sent_since = sum(
+            tokens for tokens, sent in self._in_flight.get(replica, {}).values() if sent >= report.reported_at
+        )
+        return float(report.queued_prefill_tokens + sent_since)
 
     def _decode(self, replica: str) -> float:
         return self.decode_weight * self.reports.get(replica, ReplicaReport()).running

@@ -84,7 +84,7 @@ class EngineReplica:
             restore = self._restore_costs(kv.tiers.restore_seconds_per_block())
         scheduler = self.core.scheduler
         waiting, running = list(scheduler.waiting), list(scheduler.running)
-        queued = sum(max(0, len(request.prompt) - request.computed) for request in waiting + running)
+        queued = sum(max(0, len(request.prompt) - self._settled(request)) for request in waiting + running)
         return {
             DEVICE: device,
             HOST: host,
@@ -93,7 +93,18 @@ class EngineReplica:
             "running": len(running),
             "waiting": self.engine.queue_depth,
             "restore_cost": restore,
+            "reported_at": time.time(),
         }
+
+    def _settled(self, request) -> int:
+        """Prompt tokens a request will not compute: those computed, or for one not yet started,
+        those its device prefix cache holds (a hit waiting in the queue is little work)."""
+        if request.computed:
+            return request.computed
+        try:
+            return self.core.kv.cached_length(request)
+        except Exception:  # the engine thread changed the tree meanwhile: count it all as work
+            return 0
 
     def _restore_costs(self, seconds_per_block: dict[str, float]) -> dict[str, float]:
         """Restoring a block from a tier, as a share of computing it here (measured both ways)."""

@@ -127,9 +127,11 @@ def _run_system(system: str, config: ClusterConfig, prompts: list[str], progress
         flags += ["--num-blocks", str(config.pool_blocks), "--swap-space-gb", "1"]
         if config.model:
             flags += ["--model", config.model]
+        key_prefix = f"kvwise-bench:{secrets.token_hex(4)}:"
         if tier:
             (Path(folder) / "redis-hmac").write_text(secrets.token_hex(32))
             flags += ["--redis-url", config.redis_url, "--redis-hmac-key-file", str(Path(folder) / "redis-hmac")]
+            flags += ["--redis-key-prefix", key_prefix]
         args = build_parser().parse_args(flags)
         args.replicas = replicas
         cluster = deploy(
@@ -144,7 +146,23 @@ def _run_system(system: str, config: ClusterConfig, prompts: list[str], progress
             counters = cluster.ingress.counters
         finally:
             cluster.shutdown()
+            if tier:
+                delete_keys(config.redis_url, key_prefix)
     return _row(system, replicas, answers, wall, metrics, counters)
+
+
+def delete_keys(url: str, prefix: str) -> int:
+    """Delete what one system wrote to Redis (its keys start with `prefix`), on every node."""
+    from kvwise.tiers.redis_tier import RedisTier
+
+    client = RedisTier(url, hmac_key=b"unused").client
+    nodes = client.get_primaries() if hasattr(client, "get_primaries") else [None]
+    deleted = 0
+    for node in nodes:
+        scan = client.scan_iter(match=f"{prefix}*", count=1000, **({"target_nodes": node} if node else {}))
+        for key in scan:
+            deleted += client.delete(key)
+    return deleted
 
 
 async def _closed_loop(base_url: str, config: ClusterConfig, prompts: list[str], progress, args) -> list[dict]:

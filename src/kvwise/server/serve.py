@@ -123,6 +123,11 @@ def add_serve_arguments(parser) -> None:
         "users; redis+cluster://host:port for a Redis Cluster, any node)",
     )
     parser.add_argument(
+        "--redis-key-prefix",
+        default="kvwise:block:",
+        help="the start of every Redis key this server writes (deployments sharing one Redis keep apart)",
+    )
+    parser.add_argument(
         "--publish-prefixes",
         action=argparse.BooleanOptionalAction,
         default=None,
@@ -539,7 +544,8 @@ def prefix_tiers(args, keys=None) -> list:
 
         hmac_keys = keys.redis_hmac if keys is not None else None
         encryption_keys = keys.redis_encryption if keys is not None else None
-        tiers.append(RedisTier(args.redis_url, hmac_key=hmac_keys, encryption_key=encryption_keys))
+        prefix = getattr(args, "redis_key_prefix", "kvwise:block:")
+        tiers.append(RedisTier(args.redis_url, hmac_key=hmac_keys, encryption_key=encryption_keys, prefix=prefix))
     return tiers
 
 

@@ -19,7 +19,10 @@ from kvwise.server.api_keys import KeyEntry
 from kvwise.server.app import ServerSettings, _Handlers, create_app
 from tests.base_model import character_tokenizer
 
-TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
 
 
 def test_the_replica_holding_the_prefix_on_its_device_wins_at_equal_load():
@@ -97,7 +100,10 @@ def served(llama):
     """A single server on the tiny Llama with two tenants' keys, and the ingress's view of it."""
     tokenizer = character_tokenizer()
     core = EngineCore(llama, tokenizer, CacheConfig(block_size=4, num_blocks=512), namespace_key=b"k" * 32)
-    keys = {"key-a": KeyEntry("alice"), "key-b": KeyEntry("bob", shared_prefix=True, shared_read=True, shared_write=True)}
+    keys = {
+        "key-a": KeyEntry("alice"),
+        "key-b": KeyEntry("bob", shared_prefix=True, shared_read=True, shared_write=True),
+    }
     settings = ServerSettings("tiny", keys, chat_template=TEMPLATE)
     namespaces = core.kv.namespace_of
     space = KeySpace(namespaces.model_id, namespaces.kv_format, core.kv.block_size)
@@ -115,8 +121,14 @@ def _routed(path: str, body: dict, key: str) -> RoutedRequest:
 @pytest.mark.parametrize("tenant_key", ["key-a", "key-b"])
 def test_the_ingress_names_a_prompts_blocks_as_the_engine_caches_them(served, tenant_key):
     core, client, routing = served
-    chat = {"model": "tiny", "messages": [{"role": "system", "content": "be brief " * 4},
-                                          {"role": "user", "content": "what is a block? " * 3}], "max_tokens": 2}
+    chat = {
+        "model": "tiny",
+        "messages": [
+            {"role": "system", "content": "be brief " * 4},
+            {"role": "user", "content": "what is a block? " * 3},
+        ],
+        "max_tokens": 2,
+    }
     completion = {"model": "tiny", "prompt": "the quick brown fox " * 5, "max_tokens": 2}
     for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
         routed = routing.annotate(_routed(path, body, tenant_key))

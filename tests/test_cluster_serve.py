@@ -7,7 +7,6 @@ against what one engine without any tier answers."""
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import threading
 import time
 

@@ -70,7 +70,7 @@ def test_put_many_counts_what_redis_took_and_refuses_while_down(tmp_path):
     assert tier.stats.refused_puts == 1 and tier.stats.errors >= 1 and not tier.available
 
 
-def test_a_cluster_url_scheme_reaches_a_redis_cluster_and_one_down_at_startup_is_joined_later(tmp_path):
+def test_a_cluster_url_scheme_reaches_a_redis_cluster_and_one_down_at_startup_is_joined_later(tmp_path, caplog):
     nodes = start_cluster(tmp_path / "cluster", nodes=3)
     url = f"redis+cluster://127.0.0.1:{nodes[0].port}"
     block = torch.arange(2 * 2 * 4 * 2 * 2, dtype=torch.float32).reshape(2, 2, 4, 2, 2)
@@ -83,7 +83,9 @@ def test_a_cluster_url_scheme_reaches_a_redis_cluster_and_one_down_at_startup_is
         for node in nodes:
             node.kill()
         # nothing answers at startup: the server is built without the tier, misses, and joins it later
-        late = RedisTier(url, hmac_key=HMAC, timeout_seconds=0.2, retry_seconds=0.2)
+        with caplog.at_level("WARNING", logger="kvwise.tiers"):
+            late = RedisTier(url, hmac_key=HMAC, timeout_seconds=0.2, retry_seconds=0.2)
+        assert "serving without it" in caplog.text  # one warning at startup
         assert late.client is None and not late.available
         assert late.get(keys[0]) is None and late.put(keys[0], block) is False
         for node in nodes:
@@ -92,6 +94,7 @@ def test_a_cluster_url_scheme_reaches_a_redis_cluster_and_one_down_at_startup_is
         while time.monotonic() < deadline and not late.put(b"y" * 32, block):
             time.sleep(0.2)
         assert late.available and torch.equal(late.get(b"y" * 32), block)
+        assert "reachable again" in caplog.text
     finally:
         for node in nodes:
             node.stop()

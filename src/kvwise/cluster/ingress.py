@@ -24,6 +24,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.background import BackgroundTask
 
 from kvwise.cluster.routed_request import RoutedRequest, RoutingKeys
+from kvwise.server.app import read_body
 from kvwise.server.protocol import OpenAIError
 
 log = logging.getLogger("kvwise.cluster")
@@ -49,7 +50,8 @@ class Ingress:
         import ray.exceptions
         from ray.serve.exceptions import BackPressureError
 
-        body = await self._body(http)
+        settings = self.handlers.settings
+        body = await read_body(http, settings.max_body_bytes, settings.body_timeout_seconds)
         routed = RoutedRequest(http.method, http.url.path, http.scope.get("query_string", b""), http.headers.raw, body)
         routed = await asyncio.to_thread(self.routing_keys.annotate, routed)
         self.counters.requests += 1
@@ -99,26 +101,6 @@ class Ingress:
     def _sent_to(self, routed: RoutedRequest) -> str | None:
         router = self.router_lookup()
         return None if router is None else router.sent_to.get(routed.request_id)
-
-    async def _body(self, http: Request) -> bytes:
-        limit = self.handlers.settings.max_body_bytes
-        declared = http.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise OpenAIError(413, f"the request body is over {limit} bytes")
-        chunks, size = [], 0
-        stream = http.stream().__aiter__()
-        while True:
-            try:
-                chunk = await asyncio.wait_for(stream.__anext__(), self.handlers.settings.body_timeout_seconds)
-            except StopAsyncIteration:
-                break
-            except TimeoutError:
-                raise OpenAIError(408, "the request body stopped arriving", code="body_timeout") from None
-            size += len(chunk)
-            if size > limit:
-                raise OpenAIError(413, f"the request body is over {limit} bytes")
-            chunks.append(chunk)
-        return b"".join(chunks)
 
     async def metrics(self) -> str:
         """Every replica's metrics, labelled by replica, and the ingress's own."""

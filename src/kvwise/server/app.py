@@ -101,6 +101,28 @@ def bearer_key(request: Request) -> str | None:
     return key.strip() if scheme.lower() == "bearer" and key.strip() else None
 
 
+async def read_body(http: Request, max_bytes: int, timeout_seconds: float) -> bytes:
+    """The request body, refused with 413 past `max_bytes` and 408 when it pauses longer than
+    `timeout_seconds`; counted as it arrives (a chunked body has no Content-Length)."""
+    declared = http.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise OpenAIError(413, f"the request body is over {max_bytes} bytes")
+    chunks, size = [], 0
+    stream = http.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), timeout_seconds)
+        except StopAsyncIteration:
+            break
+        except TimeoutError:
+            raise OpenAIError(408, "the request body stopped arriving", code="body_timeout") from None
+        size += len(chunk)
+        if size > max_bytes:
+            raise OpenAIError(413, f"the request body is over {max_bytes} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def check_json_values(data, max_depth: int = 64) -> None:
     """Refuse bodies that nest deeper than `max_depth` or hold strings with lone UTF-16
     surrogates (valid JSON escapes, but no tokenizer can encode them), before any handler sees them."""
@@ -299,23 +321,7 @@ class _Handlers:
         )
 
     async def _parse(self, http: Request, model):
-        declared = http.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.settings.max_body_bytes:
-            raise OpenAIError(413, f"the request body is over {self.settings.max_body_bytes} bytes")
-        chunks, size = [], 0
-        stream = http.stream().__aiter__()
-        while True:  # counted as it arrives: a chunked body has no Content-Length
-            try:
-                chunk = await asyncio.wait_for(stream.__anext__(), self.settings.body_timeout_seconds)
-            except StopAsyncIteration:
-                break
-            except TimeoutError:
-                raise OpenAIError(408, "the request body stopped arriving", code="body_timeout") from None
-            size += len(chunk)
-            if size > self.settings.max_body_bytes:
-                raise OpenAIError(413, f"the request body is over {self.settings.max_body_bytes} bytes")
-            chunks.append(chunk)
-        raw = b"".join(chunks)
+        raw = await read_body(http, self.settings.max_body_bytes, self.settings.body_timeout_seconds)
         try:
             data = json.loads(raw)
         except (json.JSONDecodeError, UnicodeDecodeError) as error:

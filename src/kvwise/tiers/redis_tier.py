@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import logging
 import os
 import secrets
 import time
@@ -53,6 +54,7 @@ from kvwise.core.extras import require
 from kvwise.tiers.base import Tier
 from kvwise.tiers.payload import CorruptBlock, decode_block, encode_block
 
+log = logging.getLogger("kvwise.tiers")
 HMAC_ENVIRONMENT = "KVWISE_REDIS_HMAC_KEY"
 KEY_ENVIRONMENT = "KVWISE_REDIS_KEY"  # hex; several, comma-separated, during a rotation
 CLUSTER_SCHEMES = {"redis+cluster": "redis", "rediss+cluster": "rediss"}
@@ -153,6 +155,7 @@ class RedisTier(Tier):
         # after a failure, calls fail fast for retry_seconds: the engine spills on its own thread
         # at every eviction, and must not wait out a timeout per block while Redis is down
         self.retry_seconds, self._down_until = retry_seconds, 0.0
+        self._up = True  # for the log: one line when Redis goes down, one when it is back
         redis = require("redis", "redis", "the Redis tier")
         # RedisClusterException: no node of a cluster answered (it is no RedisError)
         self._errors = (redis.RedisError, redis.exceptions.RedisClusterException, OSError)
@@ -242,6 +245,18 @@ class RedisTier(Tier):
         self.stats.errors += 1
         self.last_error = f"{type(error).__name__}: {error}"
         self._down_until = time.monotonic() + self.retry_seconds
+        if self._up:
+            self._up = False
+            log.warning(
+                "Redis tier unreachable (%s): serving without it (misses recompute), retrying every %.0f s",
+                self.last_error,
+                self.retry_seconds,
+            )
+
+    def _answered(self) -> None:
+        if not self._up:
+            self._up = True
+            log.warning("Redis tier reachable again")
 
     def _resting(self) -> bool:
         """True (and counted as an error) while a recent failure says Redis is down."""
@@ -268,6 +283,7 @@ class RedisTier(Tier):
             self.stats.refused_puts += 1
             return False
         self.stats.puts += 1
+        self._answered()
         return True
 
     def put_many(self, items: Sequence[tuple[bytes, torch.Tensor]]) -> int:
@@ -295,6 +311,8 @@ class RedisTier(Tier):
                 self._failed(failures[0])
         self.stats.puts += taken
         self.stats.refused_puts += len(items) - taken
+        if taken:
+            self._answered()
         return taken
 
     def get(self, key: bytes) -> torch.Tensor | None:
@@ -310,6 +328,7 @@ class RedisTier(Tier):
                 self._failed(error)
                 return None
             value = b""
+        self._answered()
         if value is None:
             return None
         try:

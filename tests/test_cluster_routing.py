@@ -16,7 +16,7 @@ from kvwise.core.hashing import ROOT_KEY, Namespace, block_key, chain_keys
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
 from kvwise.server.api_keys import KeyEntry
-from kvwise.server.app import ServerSettings, _Handlers, create_app
+from kvwise.server.app import RequestHandlers, ServerSettings, create_app
 from tests.base_model import character_tokenizer
 
 TEMPLATE = (
@@ -108,7 +108,7 @@ def served(llama):
     namespaces = core.kv.namespace_of
     space = KeySpace(namespaces.model_id, namespaces.kv_format, core.kv.block_size)
     encoder = PromptEncoder(tokenizer, core.vocab_size, core.max_positions)
-    routing = RoutingKeys(_Handlers(encoder, None, settings), space, namespaces.secret)
+    routing = RoutingKeys(RequestHandlers(encoder, None, settings), space, namespaces.secret)
     with TestClient(create_app(core, settings)) as client:
         yield core, client, routing
 

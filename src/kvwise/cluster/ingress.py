@@ -21,7 +21,6 @@ from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
-from starlette.background import BackgroundTask
 
 from kvwise.cluster.routed_request import RoutedRequest, RoutingKeys
 from kvwise.server.app import read_body
@@ -80,7 +79,6 @@ class Ingress:
                 self._relay(stream, streaming),
                 status_code=start["status"],
                 headers=headers,
-                background=BackgroundTask(stream.cancel),
             )
         raise OpenAIError(503, "no replica could answer this request; retry shortly", code="replica_lost")
 
@@ -97,6 +95,8 @@ class Ingress:
                 message = "the replica serving this stream failed; retry the request"
                 lost = OpenAIError(503, message, code="replica_lost")
                 yield f"data: {json.dumps(lost.body())}\n\n".encode()
+        finally:  # the client left, or the response ended: the replica stops generating for nobody
+            stream.cancel()
 
     def _sent_to(self, routed: RoutedRequest) -> str | None:
         router = self.router_lookup()

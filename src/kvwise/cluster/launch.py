@@ -179,14 +179,14 @@ def _ingress(args, handle, replica_args, keys):
     from kvwise.cluster.routed_request import PromptEncoder, RoutingKeys
     from kvwise.cluster.router_registry import ACTIVE_ROUTERS
     from kvwise.models import load_tokenizer
-    from kvwise.server.app import _Handlers, parse_kv_quant_options
+    from kvwise.server.app import RequestHandlers, parse_kv_quant_options
     from kvwise.server.serve import kv_cache_dtype, model_flag, served_name, server_settings
 
     described = handle.describe.remote().result(timeout_s=600)
     options = parse_kv_quant_options(args.kv_quant_options)
     settings = server_settings(args, served_name(args), keys, options, kv_cache_dtype(args, options))
     encoder = PromptEncoder(load_tokenizer(model_flag(args)), described["vocab_size"], described["max_positions"])
-    handlers = _Handlers(encoder, None, settings)
+    handlers = RequestHandlers(encoder, None, settings)
     routing_keys = RoutingKeys(handlers, described["key_space"], keys.namespace[0])
     attempts = replica_args.replicas + 1
     return Ingress(handle, handlers, routing_keys, lambda: ACTIVE_ROUTERS.get(DEPLOYMENT_NAME), attempts)

@@ -169,7 +169,7 @@ def create_app(core: EngineCore, settings: ServerSettings) -> FastAPI:
 
     app = FastAPI(title="kvwise", lifespan=lifespan)
     app.state.engine, app.state.settings = engine, settings
-    handlers = _Handlers(core, engine, settings)
+    handlers = RequestHandlers(core, engine, settings)
 
     @app.exception_handler(OpenAIError)
     async def openai_error(request: Request, error: OpenAIError):
@@ -226,7 +226,11 @@ def create_app(core: EngineCore, settings: ServerSettings) -> FastAPI:
     return app
 
 
-class _Handlers:
+class RequestHandlers:
+    """One API call from HTTP to engine requests and back: the caller's tenant, parsing, prompts,
+    sampling and KV settings, then the response. The cluster's front door uses the same parsing
+    and tenant rules (with no engine) to name a request's blocks before routing it."""
+
     def __init__(self, core: EngineCore, engine: AsyncEngine, settings: ServerSettings):
         self.core, self.engine, self.settings = core, engine, settings
 

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvwise.core.extras import require
+from kvwise.server.serve import check_flags
 
 log = logging.getLogger("kvwise.cluster")
 
@@ -73,7 +74,9 @@ def deploy(
         raise ValueError(f"unknown router {router!r}; choose one of: {', '.join(ROUTERS)}")
     replica_args = per_replica_args(args, replicas)
     keys = cluster_keys(replica_args)
-    check_flags(replica_args, keys)  # here, once: a replica that cannot start is retried by Ray, not reported
+    # here, once: a replica that cannot start is retried by Ray, not reported (a Redis Cluster URL
+    # is connected to, to read its slots)
+    check_flags(replica_args, keys)
     if ray_address is None:
         check_fits(replica_args, replicas, _available_memory())
     import ray
@@ -123,21 +126,6 @@ def cluster_keys(args):
         encryption = [key for key in os.environ[KEY_ENVIRONMENT].split(",") if key.strip()]
         keys = dataclasses.replace(keys, redis_encryption=encryption)
     return keys
-
-
-def check_flags(args, keys) -> None:
-    """Every check a replica's server makes of its flags before it loads the model."""
-    from kvwise.server.app import parse_kv_quant_options
-    from kvwise.server.serve import adaptive_config, kv_cache_dtype, kv_memory_flag, prefix_tiers, publish_prefixes
-
-    if args.max_queue < 1:
-        raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
-    options = parse_kv_quant_options(args.kv_quant_options)
-    kv_cache_dtype(args, options)
-    adaptive_config(args, options)
-    kv_memory_flag(args)
-    publish_prefixes(args)
-    prefix_tiers(args, keys)  # builds no connection to Redis; refuses missing keys
 
 
 def _deploy(replica_args, keys, replicas: int, router: str, stats_period: float, local: bool):

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 from kvwise.engine.config import CacheConfig
@@ -281,15 +282,24 @@ def config_file_defaults(parser, path: str) -> dict:
     return defaults
 
 
-def build_app(args, keys=None):
-    """The app for parsed `serve` arguments (also used by tests, without uvicorn's CLI). keys: the
-    `ServerKeys` to use instead of reading the key files (replicas get the ingress's)."""
-    from kvwise.engine.core import EngineCore
-    from kvwise.models import load_model
-    from kvwise.server.app import create_app, parse_kv_quant_options
-    from kvwise.server.key_files import read_server_keys
+@dataclass
+class CheckedFlags:
+    """What the flags decide before the model loads (every flag error is raised making it)."""
 
-    server_keys = keys if keys is not None else read_server_keys(args)
+    model_name: str | None
+    cache: CacheConfig  # the pool not sized yet, unless --num-blocks
+    kv_quant_options: frozenset[str]
+    default_quant: str | None
+    adaptive: object | None  # AdaptiveConfig with --kv-policy auto
+    budget: int | None  # KV memory in bytes
+    tiers: list
+
+
+def check_flags(args, server_keys) -> CheckedFlags:
+    """Check every flag a server (or each of the cluster's replicas) is built from, before
+    anything heavy happens, and build the tiers under the prefix cache."""
+    from kvwise.server.app import parse_kv_quant_options
+
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")
     model_name = model_flag(args)
@@ -297,7 +307,7 @@ def build_app(args, keys=None):
         raise ValueError(f"--max-model-len must be positive, got {args.max_model_len}")
     cache = CacheConfig(
         block_size=args.block_size,
-        num_blocks=args.num_blocks or CacheConfig.num_blocks,  # sized from memory below unless given
+        num_blocks=args.num_blocks or CacheConfig.num_blocks,  # sized from memory later unless given
         token_budget=args.token_budget,
         max_running=args.max_running,
         prefix_caching=args.prefix_caching,
@@ -308,18 +318,32 @@ def build_app(args, keys=None):
     )
     kv_quant_options = parse_kv_quant_options(args.kv_quant_options)
     default_quant = kv_cache_dtype(args, kv_quant_options)
-    adaptive = adaptive_config(args, kv_quant_options)  # flags checked before the model loads
+    adaptive = adaptive_config(args, kv_quant_options)
     budget = kv_memory_flag(args)
     tiers = prefix_tiers(args, server_keys)
-    model, tokenizer = load_model(model_name, device=args.device, dtype=args.dtype)
+    return CheckedFlags(model_name, cache, kv_quant_options, default_quant, adaptive, budget, tiers)
+
+
+def build_app(args, keys=None):
+    """The app for parsed `serve` arguments (also used by tests, without uvicorn's CLI). keys: the
+    `ServerKeys` to use instead of reading the key files (replicas get the ingress's)."""
+    from kvwise.engine.core import EngineCore
+    from kvwise.models import load_model
+    from kvwise.server.app import create_app
+    from kvwise.server.key_files import read_server_keys
+
+    server_keys = keys if keys is not None else read_server_keys(args)
+    flags = check_flags(args, server_keys)  # before the model loads
+    model, tokenizer = load_model(flags.model_name, device=args.device, dtype=args.dtype)
     if model.device.type == "cpu":  # built (or found) now, before /health answers: never on a first request
         from kvwise.engine.cpu_kernel import kernel_status
 
         log.info("%s", kernel_status())
     name = served_name(args)
-    cache = size_pool(args, model, cache, budget)
+    cache = size_pool(args, model, flags.cache, flags.budget)
+    adaptive = flags.adaptive
     controller = adaptive_controller(args, adaptive, model, tokenizer) if adaptive is not None else None
-    core = EngineCore(model, tokenizer, cache, tiers, namespace_key=server_keys.namespace)
+    core = EngineCore(model, tokenizer, cache, flags.tiers, namespace_key=server_keys.namespace)
     if args.max_model_len is not None:
         core.max_positions = min(args.max_model_len, core.max_positions or args.max_model_len)
     log.info(
@@ -332,7 +356,7 @@ def build_app(args, keys=None):
     )
     if controller is not None:
         core.attach_controller(controller)
-    settings = server_settings(args, name, server_keys, kv_quant_options, default_quant)
+    settings = server_settings(args, name, server_keys, flags.kv_quant_options, flags.default_quant)
     return create_app(core, settings)
 
 
@@ -544,8 +568,9 @@ def prefix_tiers(args, keys=None) -> list:
 
         hmac_keys = keys.redis_hmac if keys is not None else None
         encryption_keys = keys.redis_encryption if keys is not None else None
-        prefix = getattr(args, "redis_key_prefix", "kvwise:block:")
-        tiers.append(RedisTier(args.redis_url, hmac_key=hmac_keys, encryption_key=encryption_keys, prefix=prefix))
+        tiers.append(
+            RedisTier(args.redis_url, hmac_key=hmac_keys, encryption_key=encryption_keys, prefix=args.redis_key_prefix)
+        )
     return tiers
 
 

@@ -15,6 +15,8 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from tests.kvzap_helpers import kvzap_surrogate  # noqa: F401  (a fixture for modules that run every policy)
+
 VOCAB = 128
 SHARED = dict(
     vocab_size=VOCAB,

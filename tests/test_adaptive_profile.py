@@ -13,6 +13,7 @@ from kvwise.adaptive.calibrate import CalibrateConfig, run_calibrate
 from kvwise.adaptive.profile import CLASSES, Profile, find_profile, require_profile
 from kvwise.hf.fingerprint import weights_fingerprint
 from kvwise.models import load_model
+from kvwise.policies.score_surrogate import ScoreSurrogate
 from tests.tiny_chars_model import save_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)
@@ -68,6 +69,8 @@ def test_calibrate_writes_a_profile_keyed_by_the_weights(tiny, documents, tmp_pa
     table = path.with_suffix(".md").read_text()
     assert "| snapkv@0.5 |" in table and "on the front of" in table
     assert not (path.parent / f"{fingerprint}.partial.jsonl").exists()
+    surrogate = ScoreSurrogate.load(path.parent / f"{fingerprint}.kvzap.safetensors")  # kvzap's, beside it
+    assert surrogate.fingerprint == fingerprint and set(surrogate.info["agreement"]) == {"0.75", "0.9", "0.95"}
     # the user's profile directory is where auto looks first
     assert find_profile(fingerprint, path).fingerprint == fingerprint
 

@@ -26,6 +26,8 @@ from kvwise.model_check import check_budgets, check_engine, check_full_cache, ch
 from kvwise.policies.registry import policy_names
 from tests.conftest import SHARED
 
+pytestmark = pytest.mark.usefixtures("kvzap_surrogate")  # kvzap runs on a random surrogate
+
 VOCAB = 256  # a wider vocabulary than the other tests' tiny models: fewer near-tied logits
 BASE = {**SHARED, "vocab_size": VOCAB}
 WINDOW = 8  # shorter than the prompts, so chunked prefill and decoding cross it

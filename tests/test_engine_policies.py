@@ -22,7 +22,7 @@ from kvwise.policies.registry import policy_classes
 from kvwise.policies.selection import head_budgets, kept_per_head
 from tests.conftest import random_ids
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("kvzap_surrogate")]
 
 EVICTING = sorted(name for name, policy in policy_classes().items() if not policy.keeps_everything)
 # quest keeps everything and narrows what each decode step reads: its own test below

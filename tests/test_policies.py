@@ -7,6 +7,8 @@ from kvwise import KVWiseCache, policy_names
 from kvwise.hf.layer import CompressingLayer
 from tests.conftest import random_ids
 
+pytestmark = pytest.mark.usefixtures("kvzap_surrogate")  # kvzap runs on a random surrogate
+
 EVICTING = [name for name in policy_names() if name not in ("full", "quest")]
 LENGTH = 60
 

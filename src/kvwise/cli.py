@@ -69,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     calibrate.add_argument("--seed", type=int, default=0)
     calibrate.add_argument("--out", default=None, help="folder for the profile (default: $KVWISE_HOME/profiles)")
     calibrate.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run")
+    calibrate.add_argument(
+        "--surrogate",
+        choices=["train", "skip", "only"],
+        default="train",
+        help="kvzap's score surrogate: train it beside the profile (default; kept if already there), "
+        "skip it, or train only it",
+    )
 
     bench = commands.add_parser("bench", help="benchmarks")
     add_bench_parsers(bench.add_subparsers(dest="workload", required=True))
@@ -168,7 +175,11 @@ def _command_calibrate(args) -> None:
 
     mixes = tuple(part.strip() for part in args.mixes.split(",") if part.strip()) if args.mixes else DEFAULT_MIXES
     config = CalibrateConfig(args.model, args.data, mixes, None, args.budget_minutes, args.seed, args.quick)
+    config.surrogate = args.surrogate
     path = run_calibrate(config, args.out, resume=not args.no_resume)
+    if path.name.endswith(".kvzap.safetensors"):
+        print(f"kvzap surrogate: {path}")
+        return
     print(path.with_suffix(".md").read_text())
     print(f"profile: {path}")
 

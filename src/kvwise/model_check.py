@@ -212,13 +212,20 @@ def check_budgets(model, context: list[int], policy: str, ratio: float, tokenize
     from kvwise.hf.cache import KVWiseCache
     from kvwise.hf.layer import CompressingLayer
 
+    from kvwise.policies.registry import make_policy
+
+    scorer = make_policy(policy)
+    try:
+        scorer.attach(model)
+    except ValueError as error:  # a learned scorer not trained on this model yet (kvzap)
+        return Verdict(f"budgets {policy}", True, f"not checked: {error}")
     previous = model.config._attn_implementation
     ids = torch.tensor([context], device=model.device)
     with reference_attention(model), torch.no_grad():
         reference = DynamicCache(config=model.config)
         model(input_ids=ids, cache=reference, use_cache=True)
     try:
-        cache = KVWiseCache(model, policy, ratio, tokenizer=tokenizer)
+        cache = KVWiseCache(model, scorer, ratio, tokenizer=tokenizer)
         cache.compress_context(ids)
     finally:
         model.set_attn_implementation(previous)

@@ -1,4 +1,9 @@
-"""`kvwise calibrate`: measure each candidate mix on a model and write its profile.
+"""`kvwise calibrate`: train kvzap's score surrogate, measure each candidate mix on a model and
+write its profile.
+
+The surrogate (`adaptive.surrogate_training`) comes first: a few minutes of KVzip runs on the
+calibration text, one small head per layer, written as `<fingerprint>.kvzap.safetensors` beside
+the profile (kept when already there, unless `--no-resume`).
 
 Each mix runs every probe (`adaptive.probes`) and the measurements become a `Profile`: quality per
 class relative to `full` on the same probes, bytes per token, extra seconds per token, and the
@@ -26,6 +31,7 @@ from tqdm import tqdm
 
 from kvwise.adaptive.probes import AGREEMENT_TOKENS, Probe, agreement, calibration_text, make_probes
 from kvwise.adaptive.profile import CLASSES, MixProfile, Profile, user_profile_path
+from kvwise.adaptive.surrogate_training import SurrogateConfig, train_surrogate
 from kvwise.core.partial import read_partial
 from kvwise.core.plotting import headless_pyplot
 from kvwise.engine.config import CacheConfig
@@ -36,6 +42,7 @@ from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.fingerprint import weights_fingerprint
 from kvwise.hf.generation import greedy_continue
 from kvwise.policies.mix import Mix, parse_mix
+from kvwise.policies.score_surrogate import SUFFIX as SURROGATE_SUFFIX
 
 log = logging.getLogger("kvwise.calibrate")
 
@@ -82,6 +89,7 @@ class CalibrateConfig:
     seed: int = 0
     quick: bool = False
     probe_lengths: dict | None = None  # class -> (fewest, most) passage tokens (default probes.LENGTHS)
+    surrogate: str = "train"  # kvzap's score surrogate: "train" (unless already there), "skip", or "only"
 
     def __post_init__(self):
         if self.quick and self.mixes == DEFAULT_MIXES:
@@ -95,10 +103,13 @@ class CalibrateConfig:
         self.mixes = tuple(by_spec.values())
         if self.budget_minutes is not None and self.budget_minutes <= 0:
             raise ValueError(f"--budget-minutes must be positive, got {self.budget_minutes}")
+        if self.surrogate not in ("train", "skip", "only"):
+            raise ValueError(f"surrogate must be 'train', 'skip' or 'only', got {self.surrogate!r}")
 
 
 def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool = True, model=None) -> Path:
-    """Measure, write `<fingerprint>.json` (and .md, .png) under `out`; returns the JSON's path."""
+    """Train kvzap's surrogate (`<fingerprint>.kvzap.safetensors`), measure, write `<fingerprint>.json`
+    (and .md, .png) under `out`; returns the JSON's path (the surrogate's with `surrogate="only"`)."""
     if model is None:
         from kvwise.models import load_model
 
@@ -109,6 +120,15 @@ def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool
     out = Path(out) if out is not None else user_profile_path(fingerprint).parent
     out.mkdir(parents=True, exist_ok=True)
     text, description = calibration_text(config.data)
+    surrogate_path = out / f"{fingerprint}{SURROGATE_SUFFIX}"
+    if config.surrogate != "skip" and (config.surrogate == "only" or not resume or not surrogate_path.exists()):
+        surrogate_config = SurrogateConfig(seed=config.seed)
+        if config.quick:
+            surrogate_config.passages, surrogate_config.held_out = 6, 1
+        train_surrogate(model, tokenizer, text, description, surrogate_config).save(surrogate_path)
+        log.info("kvzap surrogate written to %s", surrogate_path)
+    if config.surrogate == "only":
+        return surrogate_path
     probes = make_probes(tokenizer, text, config.probes, config.seed, config.probe_lengths)
     header = {
         "fingerprint": fingerprint,

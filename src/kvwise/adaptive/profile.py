@@ -19,6 +19,7 @@ from importlib import resources
 from pathlib import Path
 
 from kvwise.core.home import kvwise_home
+from kvwise.core.pareto import pareto_front
 from kvwise.policies.mix import parse_mix
 
 CLASSES = ("retrieval", "chat", "long_generation")
@@ -61,13 +62,7 @@ class Profile:
     def front(self, klass: str) -> list[MixProfile]:
         """The Pareto front of `klass`: mixes no other beats on both bytes and quality, cheapest first."""
         check_class(klass)
-        ordered = sorted(self.mixes, key=lambda entry: (entry.bytes_fraction, -entry.quality[klass]))
-        front, best = [], -1.0
-        for entry in ordered:
-            if entry.quality[klass] > best:
-                front.append(entry)
-                best = entry.quality[klass]
-        return front
+        return pareto_front(self.mixes, lambda entry: entry.bytes_fraction, lambda entry: entry.quality[klass])
 
     def cheapest(self, klass: str, floor: float, allowed=None) -> MixProfile:
         """The mix with the fewest bytes whose quality for `klass` is at least `floor` (ties: the

@@ -58,6 +58,8 @@ class ClusterConfig(RagWorkload):
         unknown = [system for system in self.systems if system.split("+")[0] not in ("single", *ROUTER_NAMES)]
         if unknown:
             raise ValueError(f"unknown systems {unknown}; choose from {', '.join(SYSTEMS)}")
+        if not 0 < self.cache_share <= 1:
+            raise ValueError(f"--cache-share must be in (0, 1], got {self.cache_share}")
         if self.replicas < 2:
             raise ValueError(
                 f"bench cluster compares routers over replicas: --replicas must be >= 2, got {self.replicas}"

@@ -41,6 +41,19 @@ def add_bench_parsers(workloads) -> None:
         action="store_true",
         help="run the trials through the serving engine (kvwise.LLM), bytes from its pool",
     )
+    niah.add_argument(
+        "--budget-bytes",
+        type=floats,
+        default=None,
+        help="equal-bytes cells: each of --mixes at the ratio that holds each budget, as a fraction of a "
+        "16-bit full cache's bytes in (0, 1], e.g. 0.1,0.05,0.02,0.01",
+    )
+    niah.add_argument(
+        "--mixes",
+        type=names,
+        default=None,
+        help="policy+quantizer mixes for --budget-bytes, without ratios (default: kvzip+kivi2,kvzap+kivi2,...)",
+    )
     niah.add_argument("--seed", type=int, default=0)
     niah.add_argument("--out", type=Path, default=Path("results"))
     niah.add_argument("--quick", action="store_true", help="a small grid: L=1000, 3 depths, 1 trial each")
@@ -199,6 +212,12 @@ def add_cluster_parser(workloads) -> None:
     )
     cluster.add_argument("--systems", type=names, default=None, help="single,kvwise+redis,kvwise,pow2+redis,...")
     cluster.add_argument("--seed", type=int, default=None)
+    cluster.add_argument(
+        "--cache-share",
+        type=float,
+        default=None,
+        help="each replica's KV pool holds this share of the workload's distinct prefixes, in (0, 1] (default 0.5)",
+    )
     cluster.add_argument("--out", type=Path, default=Path("results"))
     cluster.add_argument("--quick", action="store_true", help="40 requests, 6 documents of 800-1200 tokens")
 
@@ -214,7 +233,7 @@ def _cluster(args) -> None:
         config.requests, config.documents, config.document_tokens = 40, 6, (800, 1200)
     if args.systems is not None:
         args.systems = tuple(args.systems)
-    _override(config, args, ("replicas", "requests", "concurrency", "systems", "seed"))
+    _override(config, args, ("replicas", "requests", "concurrency", "systems", "seed", "cache_share"))
     run_cluster_bench(config, args.out)
     print((args.out / "cluster.md").read_text())
     print(f"wrote {args.out / 'cluster.json'}")
@@ -312,7 +331,7 @@ def _niah(args) -> None:
     if args.quick:
         config.lengths, config.depths, config.trials_per_depth = [1000], [0.0, 0.5, 1.0], 1
     options = ("policies", "ratios", "lengths", "depths", "trials_per_depth", "haystack_dir", "needle", "question")
-    _override(config, args, (*options, "answer_prefix"))
+    _override(config, args, (*options, "answer_prefix", "budget_bytes", "mixes"))
     report = run_niah(config, args.out, resume=not args.no_resume)
     print((args.out / "niah.md").read_text())
     print(f"wrote {args.out / 'niah.json'} ({len(report['results'])} trials)")

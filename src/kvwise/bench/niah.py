@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvwise.bench.byte_budget import DEFAULT_BUDGET_MIXES, ByteSizer, budget_mix, check_budgets
 from kvwise.bench.environment import system_info
 from kvwise.bench.haystack import (
     DEFAULT_ANSWER_PREFIX,
@@ -49,6 +50,9 @@ class NiahConfig:
     answer_prefix: str = DEFAULT_ANSWER_PREFIX
     quant: str | None = None  # a quantizer for every cell: evict with the policy, then quantize
     engine: bool = False  # through the serving engine (kvwise.LLM) instead of the library's cache
+    # equal-bytes cells: each mix at the ratio that holds each budget (a fraction of a 16-bit full cache)
+    budget_bytes: list[float] = field(default_factory=list)
+    mixes: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if self.mode not in ("agnostic", "aware"):
@@ -66,6 +70,15 @@ class NiahConfig:
         make_quantizer(self.quant)
         if "{key}" not in self.needle:
             raise ValueError("the needle template must contain {key}")
+        self.budget_bytes = check_budgets(self.budget_bytes)
+        if self.budget_bytes and not self.mixes:
+            self.mixes = list(DEFAULT_BUDGET_MIXES)
+        if self.mixes and not self.budget_bytes:
+            raise ValueError("--mixes runs each mix at the ratio that holds a byte budget: give --budget-bytes too")
+        if self.budget_bytes and self.engine:
+            raise ValueError("--budget-bytes runs through the library cache; leave out --engine")
+        for mix in self.mixes:
+            budget_mix(mix)
 
     def cells(self) -> list[tuple[str, float]]:
         """(policy, ratio) pairs; `full` runs once, at ratio 0, since it never compresses."""
@@ -75,14 +88,22 @@ class NiahConfig:
             pairs.extend((name, ratio) for ratio in ratios)
         return pairs
 
+    def budget_cells(self) -> list[tuple[str, float]]:
+        """(mix, budget) pairs of the equal-bytes grid."""
+        return [(mix, budget) for budget in self.budget_bytes for mix in self.mixes]
 
-def run_trial(model, tokenizer, prompt, policy: str, ratio: float, mode: str, quant: str | None = None) -> dict:
+
+def run_trial(
+    model, tokenizer, prompt, policy: str, ratio: float, mode: str, quant: str | None = None, policy_options=()
+) -> dict:
     """One trial: compress, ask, decode. Returns the measured fields of a result row."""
     device = model.device
     context_ids = prompt.context_ids.to(device)
     question_ids = prompt.question_ids.to(device)
     started = time.perf_counter()
-    cache = KVWiseCache(model, policy=policy, compression_ratio=ratio, tokenizer=tokenizer, quant=quant)
+    cache = KVWiseCache(
+        model, policy=policy, compression_ratio=ratio, tokenizer=tokenizer, quant=quant, **dict(policy_options)
+    )
     if mode == "agnostic":
         compressed_ids, rest_ids = context_ids, question_ids
     else:
@@ -121,40 +142,52 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
 
         llm = engine_for(model, tokenizer, longest)
 
-        def trial_runner(prompt, name, ratio, mode, quant=None):
+        def trial_runner(prompt, name, ratio, mode, quant=None, options=()):
             measured = run_engine_trial(llm, prompt, name, ratio, mode, NUM_NEW_TOKENS, quant)
             measured["full_kv_bytes"] = full_kv_bytes(model, measured["compressed_tokens"], model.dtype.itemsize)
             measured["full16_kv_bytes"] = full_kv_bytes(model, measured["compressed_tokens"], 2)
             return measured
     else:
 
-        def trial_runner(prompt, name, ratio, mode, quant=None):
-            return run_trial(model, tokenizer, prompt, name, ratio, mode, quant)
+        def trial_runner(prompt, name, ratio, mode, quant=None, options=()):
+            return run_trial(model, tokenizer, prompt, name, ratio, mode, quant, options)
 
     out_dir.mkdir(parents=True, exist_ok=True)
     partial_path = out_dir / "niah.partial.jsonl"
     done = _load_partial(partial_path, config) if resume else {}
     if not resume and partial_path.exists():
         partial_path.unlink()
-    work = [(name, ratio, trial) for name, ratio in config.cells() for trial in trials]
+    work = [(name, ratio, None, trial) for name, ratio in config.cells() for trial in trials]
+    work += [(mix, None, budget, trial) for mix, budget in config.budget_cells() for trial in trials]
+    sizer, skipped, order = ByteSizer(model), {}, []
     # Warm-up: the first forward pays one-time costs that would bias the first trial.
     trial_runner(prompts[trials[0]], "full", 0.0, config.mode)
     with partial_path.open("a") as partial, tqdm(total=len(work), desc="niah", unit="trial") as progress:
         if not done:
             partial.write(json.dumps({"config": asdict(config)}) + "\n")
-        for name, ratio, trial in work:
-            key = (name, ratio, trial.length, trial.depth, trial.trial)
+        for name, ratio, budget, trial in work:
+            progress.set_postfix(policy=name, ratio=ratio, budget=budget)
+            progress.update()
+            policy, quant, options = name, config.quant, ()
+            if budget is not None:
+                mix = budget_mix(name)
+                solved = sizer.solve(mix, prompts[trial].context_ids.shape[1], budget)
+                if solved.ratio is None:
+                    skipped[(name, budget)] = solved.note
+                    continue
+                policy, ratio, quant, options = mix.policy, round(solved.ratio, 6), mix.quant, mix.policy_options
+            key = row_key({"policy": name, "ratio": ratio, "budget": budget, **_trial_fields(trial)})
+            order.append(key)
             if key not in done:
-                measured = trial_runner(prompts[trial], name, ratio, config.mode, config.quant)
+                measured = trial_runner(prompts[trial], policy, ratio, config.mode, quant, options)
                 row = {
                     "policy": name,
                     "ratio": ratio,
-                    "length": trial.length,
-                    "depth": trial.depth,
-                    "trial": trial.trial,
+                    "budget": budget,
+                    **_trial_fields(trial),
                     "key": trial.key,
                     "mode": config.mode,
-                    "quant": config.quant,
+                    "quant": quant,
                     "engine": config.engine,
                     "correct": str(trial.key) in measured["answer"],
                     **measured,
@@ -162,15 +195,14 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
                 partial.write(json.dumps(row) + "\n")
                 partial.flush()
                 done[key] = row
-            progress.set_postfix(policy=name, ratio=ratio)
-            progress.update()
-    results = [done[(name, ratio, t.length, t.depth, t.trial)] for name, ratio, t in work]
+    results = [done[key] for key in order]
     report = {
         "workload": "niah",
         "config": asdict(config),
         "prompt_format": builder.prompt_format,
         "system": system_info(model.device),
         "results": results,
+        "skipped": [{"mix": mix, "budget": budget, "why": why} for (mix, budget), why in skipped.items()],
     }
     (out_dir / "niah.json").write_text(json.dumps(report, indent=1))
     from kvwise.bench.niah_report import write_niah_report
@@ -183,10 +215,21 @@ def _load_partial(path: Path, config: NiahConfig) -> dict:
     """Rows of an earlier run with the same configuration, keyed by cell and trial."""
 
     def comparable(settings: dict) -> dict:
-        return {name: value for name, value in settings.items() if name not in ("policies", "ratios")}
+        ignored = ("policies", "ratios", "budget_bytes", "mixes")
+        return {name: value for name, value in settings.items() if name not in ignored}
 
     return read_partial(
         path,
         lambda previous: comparable(previous) == comparable(asdict(config)),
-        lambda row: (row["policy"], row["ratio"], row["length"], row["depth"], row["trial"]),
+        row_key,
     )
+
+
+def row_key(row: dict) -> tuple:
+    """A result row's cell and trial; equal-bytes rows are keyed by their budget, not the ratio it set."""
+    cell = row["ratio"] if row.get("budget") is None else f"budget={row['budget']}"
+    return (row["policy"], cell, row["length"], row["depth"], row["trial"])
+
+
+def _trial_fields(trial) -> dict:
+    return {"length": trial.length, "depth": trial.depth, "trial": trial.trial}

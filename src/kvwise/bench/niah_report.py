@@ -6,6 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean
 
+from kvwise.core.pareto import pareto_front
 from kvwise.core.plotting import headless_pyplot
 
 
@@ -13,7 +14,8 @@ def summarize(results: list[dict]) -> list[dict]:
     """One row per (policy, ratio): accuracy, bytes against full, seconds per trial."""
     cells = defaultdict(list)
     for row in results:
-        cells[(row["policy"], row["ratio"])].append(row)
+        if row.get("budget") is None:  # equal-bytes rows: `summarize_budgets`
+            cells[(row["policy"], row["ratio"])].append(row)
     summary = []
     for (policy, ratio), rows in cells.items():
         summary.append(
@@ -67,9 +69,114 @@ def markdown_table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def summarize_budgets(results: list[dict]) -> list[dict]:
+    """One row per (mix, byte budget): accuracy, bytes held against a 16-bit full cache (mean and
+    most), the ratio the budget set, seconds per trial."""
+    cells = defaultdict(list)
+    for row in results:
+        if row.get("budget") is not None:
+            cells[(row["policy"], row["budget"])].append(row)
+    return [
+        {
+            "mix": mix,
+            "budget": budget,
+            "correct": sum(row["correct"] for row in rows),
+            "trials": len(rows),
+            "kv16_fraction": mean(row["kv_bytes"] / row["full16_kv_bytes"] for row in rows),
+            "kv16_most": max(row["kv_bytes"] / row["full16_kv_bytes"] for row in rows),
+            "ratio": mean(row["ratio"] for row in rows),
+            "seconds": mean(row["seconds"] for row in rows),
+        }
+        for (mix, budget), rows in cells.items()
+    ]
+
+
+def best_per_budget(summary: list[dict]) -> dict[float, dict]:
+    """The most accurate mix of each budget (ties: the fewer bytes)."""
+    best = {}
+    for row in summary:
+        current = best.get(row["budget"])
+        if current is None or (row["correct"] / row["trials"], -row["kv16_fraction"]) > (
+            current["correct"] / current["trials"],
+            -current["kv16_fraction"],
+        ):
+            best[row["budget"]] = row
+    return best
+
+
+def budget_table(report: dict) -> str:
+    """Accuracy at equal bytes: mixes by budget, the best of each budget in bold, the front, what was skipped."""
+    summary = summarize_budgets(report["results"])
+    if not summary and not report.get("skipped"):
+        return ""
+    budgets = sorted({row["budget"] for row in summary} | {row["budget"] for row in report.get("skipped", [])})
+    budgets.reverse()
+    mixes = list(dict.fromkeys([*(row["mix"] for row in summary), *(row["mix"] for row in report.get("skipped", []))]))
+    by_cell = {(row["mix"], row["budget"]): row for row in summary}
+    skipped = {(row["mix"], row["budget"]): row["why"] for row in report.get("skipped", [])}
+    best = best_per_budget(summary)
+    lines = [
+        "",
+        "Equal bytes: accuracy per byte budget (bytes the context's KV holds after compression, everything "
+        "counted, / a 16-bit full cache of the same context); kv16 = the mean held (most in brackets); "
+        "r = the ratio the budget set; best mix per budget in bold.",
+        "",
+        "| mix | " + " | ".join(f"{budget}" for budget in budgets) + " |",
+        "|---|" + "---|" * len(budgets),
+    ]
+    for mix in mixes:
+        cells = []
+        for budget in budgets:
+            row = by_cell.get((mix, budget))
+            if row is None:
+                cells.append(f"skipped: {skipped[(mix, budget)]}" if (mix, budget) in skipped else "")
+                continue
+            text = (
+                f"{row['correct']}/{row['trials']}, kv16 {row['kv16_fraction']:.4f} ({row['kv16_most']:.4f}), "
+                f"r {row['ratio']:.3f}, {row['seconds']:.2f}s"
+            )
+            cells.append(f"**{text}**" if best.get(budget) is row else text)
+        lines.append(f"| {mix} | " + " | ".join(cells) + " |")
+    front = pareto_front(summary, lambda row: row["kv16_fraction"], lambda row: row["correct"] / row["trials"])
+    lines += [
+        "",
+        "Pareto front (accuracy against bytes): "
+        + ", ".join(f"{row['mix']} at {row['kv16_fraction']:.4f} -> {row['correct']}/{row['trials']}" for row in front),
+    ]
+    return "\n".join(lines) + "\n"
+
+
 def write_niah_report(report: dict, out_dir: Path) -> None:
-    (out_dir / "niah.md").write_text(markdown_table(report))
+    (out_dir / "niah.md").write_text(markdown_table(report) + budget_table(report))
     plot_niah(report, out_dir)
+    plot_budgets(report, out_dir)
+
+
+def plot_budgets(report: dict, out_dir: Path) -> None:
+    """Accuracy against bytes held, one line per mix, the Pareto front dashed."""
+    summary = summarize_budgets(report["results"])
+    plt = headless_pyplot("NIAH plots") if summary else None
+    if plt is None:
+        return
+    figure, axis = plt.subplots(figsize=(7.5, 4.8), layout="constrained")
+    for mix in dict.fromkeys(row["mix"] for row in summary):
+        points = sorted((row["kv16_fraction"], row["correct"] / row["trials"]) for row in summary if row["mix"] == mix)
+        axis.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=mix)
+    front = pareto_front(summary, lambda row: row["kv16_fraction"], lambda row: row["correct"] / row["trials"])
+    axis.plot(
+        [row["kv16_fraction"] for row in front],
+        [row["correct"] / row["trials"] for row in front],
+        "k--",
+        linewidth=1,
+        label="Pareto front",
+    )
+    axis.set_xscale("log")
+    axis.set_xlabel("KV bytes held / a 16-bit full cache's (log)")
+    axis.set_ylabel("accuracy")
+    axis.set_title("NIAH accuracy at equal bytes")
+    axis.legend(fontsize=7, ncol=2)
+    figure.savefig(out_dir / "niah_equal_bytes.png", dpi=100)
+    plt.close(figure)
 
 
 def plot_niah(report: dict, out_dir: Path) -> None:
@@ -78,7 +185,7 @@ def plot_niah(report: dict, out_dir: Path) -> None:
     plt = headless_pyplot("NIAH plots")
     if plt is None:
         return
-    results = report["results"]
+    results = [row for row in report["results"] if row.get("budget") is None]
     for policy in dict.fromkeys(row["policy"] for row in results):
         rows = [row for row in results if row["policy"] == policy]
         ratios = sorted({row["ratio"] for row in rows})

@@ -124,6 +124,10 @@ class Compaction:
         return self.ratio_tokens is not None and self.policy.needs_context_pass
 
     @property
+    def needs_hidden_states(self) -> bool:
+        return self.policy.needs_hidden_states
+
+    @property
     def budget_layers(self) -> list[int]:
         """The layers budgets are spread over: full-attention ones (a sliding layer keeps its window)."""
         return [layer for layer in range(self.num_layers) if not self._window(layer)]
@@ -131,8 +135,16 @@ class Compaction:
     def _window(self, layer: int) -> int | None:
         return self.windows[layer] if self.windows else None
 
-    def apply(self, storage: PagedKVStorage, layer: int, query: torch.Tensor, scaling: float | None) -> None:
-        """query: [1, num_heads, T, head_dim], the layer's flat queries of this step."""
+    def apply(
+        self,
+        storage: PagedKVStorage,
+        layer: int,
+        query: torch.Tensor,
+        scaling: float | None,
+        hidden: torch.Tensor | None = None,
+    ) -> None:
+        """query: [1, num_heads, T, head_dim], the layer's flat queries of this step; hidden:
+        [1, T, hidden_size], the layer's input, when the policy scores hidden states (else None)."""
         valid, positions = self.private.layer(layer)
         window = self._window(layer)
         if window:  # what the next query can still see, as transformers' sliding-window cache keeps
@@ -147,10 +159,11 @@ class Compaction:
             positions=positions[None],
             queries=query[:, :, self.first : self.last],
             scaling=scaling if scaling is not None else keys.shape[-1] ** -0.5,
-            layer_idx=budget_layers.index(layer),
+            layer_idx=layer,  # the model's layer (its rotary embedding, its learned scorer), as in the library
             num_layers=len(budget_layers),
             stats={name: stat[None] for name, stat in self.private.stats(layer, self.policy.stat_names).items()},
             rotate_queries=self.rotate_queries,
+            hidden_states=None if hidden is None else hidden[:, self.first : self.last],
         )
         if self.policy.stat_names:
             scoring.stats = self.policy.observe(scoring)

@@ -64,7 +64,9 @@ class ReconstructionPass:
         self.chunk = PassChunk(self.stand_in, begin, begin + min(self.remaining, budget), self)
         return self.chunk
 
-    def apply(self, storage: PagedKVStorage, layer: int, query: torch.Tensor, scaling: float | None) -> None:
+    def apply(
+        self, storage: PagedKVStorage, layer: int, query: torch.Tensor, scaling: float | None, hidden=None
+    ) -> None:
         """Score the context's tokens by this chunk's queries of `layer` ([1, heads, T, head_dim])."""
         compaction = self.compaction
         if layer not in compaction.budget_layers:
@@ -90,7 +92,7 @@ class ReconstructionPass:
             positions=torch.arange(keys.shape[1], device=keys.device).expand(heads, -1)[None],
             queries=query[:, :, self.first : self.last],
             scaling=scaling if scaling is not None else keys.shape[-1] ** -0.5,
-            layer_idx=budget_layers.index(layer),
+            layer_idx=layer,  # the model's layer: its rotary embedding
             num_layers=len(budget_layers),
         )
         scores = self.policy.score_reconstruction(scoring)[0, :, width : width + private_width]

@@ -185,6 +185,8 @@ class EngineCore:
                 )
         if kv is not None and kv.quant is not None:  # caught here, not inside a batched step
             make_quantizer(kv.quant).check_head_dim(self.kv.storage.keys[0].shape[-1])
+        if kv is not None:
+            kv.scorer.attach(self.model)  # a learned scorer (kvzap) loads here, or its error names the fix
         seed = None if params.seed is None else params.seed + index
         return Request(
             list(token_ids),

@@ -482,7 +482,9 @@ class KVCacheManager:
             ratio_now = settings.ratio > 0 and chunk.end == request.compression_point
             cap = settings.max_kv_tokens
             cap_now = cap is not None and (held > cap + self.block_size or (ratio_now and held > cap))
-            observe = cap is not None and bool(settings.scorer.stat_names)
+            # running statistics are observed every step under a cap; kvzap's (scores from each
+            # chunk's hidden states) on every prefill chunk, as only that chunk's forward has them
+            observe = bool(settings.scorer.stat_names) and (cap is not None or settings.scorer.needs_hidden_states)
             if not (ratio_now or cap_now or observe):
                 continue
             windows = self.geometry.windows if self.geometry is not None else ()

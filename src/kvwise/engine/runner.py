@@ -30,11 +30,12 @@ from kvwise.engine.cpu_kernel import paged_decode_kernel, rows_decode_kernel, sm
 from kvwise.engine.cpu_linear import SmallRowLinears
 from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.scheduler import Chunk
+from kvwise.hf.attention_inputs import ENGINE_STEP_ATTRIBUTE, install_attention_input_hooks
 from kvwise.hf.geometry import kv_geometry
 from kvwise.kv.paged import PagedKVStorage
 
 ATTENTION_NAME = "kvwise_paged"
-STEP_ATTRIBUTE = "_kvwise_step"  # an attention module's StepLayout during a forward
+STEP_ATTRIBUTE = ENGINE_STEP_ATTRIBUTE  # an attention module's StepLayout during a forward
 
 
 @dataclass
@@ -143,6 +144,15 @@ class StepLayout:
     compactions: list = field(default_factory=list)  # Compaction, ReconstructionPass: `apply` after each layer
     decode_kernel: object = None  # cpu_kernel.paged_decode_kernel(), for groups with `lengths`
     rows_kernel: object = None  # cpu_kernel.rows_decode_kernel(), for groups with `rows`
+    # layer -> [1, T, hidden]: each layer's input, kept when a compaction scores hidden states (kvzap)
+    attention_inputs: dict = field(default_factory=dict)
+
+    @property
+    def wants_attention_inputs(self) -> bool:
+        return any(getattr(compaction, "needs_hidden_states", False) for compaction in self.compactions)
+
+    def store_attention_input(self, layer: int, hidden_states: torch.Tensor) -> None:
+        self.attention_inputs[layer] = hidden_states
 
 
 @dataclass
@@ -214,7 +224,7 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
         )
         outputs.append(output.transpose(1, 2).flatten(0, 1))  # [tokens, heads, dim]
     for compaction in layout.compactions:  # after attention: this forward's queries saw every token
-        compaction.apply(storage, layer, query, scaling)
+        compaction.apply(storage, layer, query, scaling, layout.attention_inputs.pop(layer, None))
     return torch.cat(outputs)[None], None  # [1, T, heads, dim]
 
 
@@ -373,6 +383,8 @@ class ModelRunner:
         layout = self._layout(buckets, prefills, device)
         layout.decode_kernel, layout.rows_kernel = self.decode_kernel, self.rows_kernel
         layout.compactions = _place(compactions or [], ordered)
+        if layout.wants_attention_inputs:
+            install_attention_input_hooks(self.model)
         ids = torch.tensor([[t for c in ordered for t in c.request.tokens[c.start : c.end]]], device=device)
         positions = torch.tensor([[p for c in ordered for p in range(c.start, c.end)]], device=device)
         last = torch.tensor([c.end - c.start for c in ordered], device=device).cumsum(0) - 1

@@ -6,6 +6,7 @@ import torch
 from transformers.cache_utils import DYNAMIC_LAYER_TYPE_MAPPING, Cache, get_layer_types_and_kwargs
 
 from kvwise.hf.attention import ATTENTION_NAME, use_kvwise_attention
+from kvwise.hf.attention_inputs import install_attention_input_hooks
 from kvwise.hf.geometry import kv_geometry
 from kvwise.hf.layer import CompressingLayer
 from kvwise.hf.rope import query_rotator
@@ -71,6 +72,11 @@ class KVWiseCache(Cache):
         self.quantization_deferred = False
         self.max_kv_tokens = selection.check_max_kv_tokens(max_kv_tokens)
         self.policy = make_policy(policy, **policy_kwargs) if isinstance(policy, str) else policy
+        self.policy.attach(model)
+        # the layers' attention inputs reach a policy that scores hidden states (kvzap) only
+        self.wants_attention_inputs = self.policy.needs_hidden_states
+        if self.wants_attention_inputs:
+            install_attention_input_hooks(model)
         self.model = model
         self.tokenizer = tokenizer
         self.in_context_pass = False
@@ -95,6 +101,10 @@ class KVWiseCache(Cache):
         self._layer_rank = {id(layer): rank for rank, layer in enumerate(self.compressing_layers)}
         # kvwise attention reads per-head lengths and masks; the model's own attention does not
         self.previous_attention = use_kvwise_attention(model)
+
+    def store_attention_input(self, layer_idx: int, hidden_states: torch.Tensor) -> None:
+        """hidden_states [batch, query_len, hidden]: layer `layer_idx`'s input in this forward."""
+        self.layers[layer_idx].attention_input = hidden_states
 
     def restore_attention(self) -> None:
         """Switch the model back to the attention implementation it had before this cache (eager,

@@ -63,6 +63,7 @@ class CompressingLayer(CacheLayerMixin):
         self.seen_tokens = 0
         self.positions: torch.Tensor | None = None
         self.stats: dict[str, torch.Tensor] = {}
+        self.attention_input: torch.Tensor | None = None  # [batch, query_len, hidden], set by a hook
         self.context_scores: torch.Tensor | None = None  # [batch, num_kv_heads, seq_len] from a context pass
         self.bytes_read_last_step = 0
         self.attention_error: float | None = None  # of the most recent commit that quantized tokens
@@ -261,7 +262,9 @@ class CompressingLayer(CacheLayerMixin):
             num_layers=owner.num_compressing_layers,
             stats=step.stats,
             rotate_queries=owner.rotate_queries,
+            hidden_states=self.attention_input,
         )
+        self.attention_input = None
         if owner.in_context_pass:
             # KVzip's reconstruction pass: score the context, keep none of the repeated tokens.
             reconstruction = policy.score_reconstruction(scoring)[:, :, : step.prefix_len]

@@ -38,6 +38,12 @@ class Policy(ABC):
     shared_fraction: ClassVar[float] = 0.0
     # True for policies that never evict (full, Quest's page selection at decode time).
     keeps_everything: ClassVar[bool] = False
+    # True for policies that score from each layer's input hidden states (`ScoringInput.hidden_states`).
+    needs_hidden_states: ClassVar[bool] = False
+
+    def attach(self, model) -> None:
+        """Bind what the policy needs of the model it serves (a learned head); most need nothing."""
+        del model
 
     @abstractmethod
     def score(self, scoring: ScoringInput) -> torch.Tensor:

@@ -21,6 +21,7 @@ _POLICY_MODULES = (
     "scissorhands",
     "keydiff",
     "kvzip",
+    "kvzap",
     "quest",
 )
 _REGISTRY: dict[str, type[Policy]] = {}

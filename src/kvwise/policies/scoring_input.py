@@ -22,6 +22,8 @@ class ScoringInput:
             `query_len` slots of every head (RoPE applied).
         stats: per-token running statistics of stateful policies (H2O, Scissorhands), each
             [batch, num_kv_heads, seq_len] float32 and aligned with `keys`.
+        hidden_states: [batch, query_len, hidden_size], the layer's attention input for the
+            queries' tokens, when the policy asked for it (`needs_hidden_states`); else None.
     """
 
     keys: torch.Tensor
@@ -40,6 +42,7 @@ class ScoringInput:
     # rotate_queries(queries, delta, layer_idx): move RoPE-rotated queries `delta` positions later; None
     # when the model's rotary embedding is not the standard rotate-half form.
     rotate_queries: Callable[[torch.Tensor, int, int], torch.Tensor] | None = None
+    hidden_states: torch.Tensor | None = None
 
     @property
     def batch_size(self) -> int:

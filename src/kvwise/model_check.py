@@ -211,7 +211,6 @@ def check_budgets(model, context: list[int], policy: str, ratio: float, tokenize
 
     from kvwise.hf.cache import KVWiseCache
     from kvwise.hf.layer import CompressingLayer
-
     from kvwise.policies.registry import make_policy
 
     scorer = make_policy(policy)

@@ -11,11 +11,13 @@ bytes it really held.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
+from kvwise.kv.quantizer import quantizer_names
 from kvwise.policies.mix import Mix, parse_mix
 
 # evict-and-quantize mixes first: at a few percent of the bytes only they are in reach
@@ -43,10 +45,13 @@ def check_budgets(budgets: list[float]) -> list[float]:
 
 def budget_mix(text: str) -> Mix:
     """A mix for a byte budget: a policy and/or a quantizer, without a ratio (the budget sets it)."""
-    mix = parse_mix(text)
-    if mix.ratio or mix.max_tokens is not None:
+    parts = [part.strip() for part in str(text).split("+")]
+    if any("@" in part for part in parts):
         raise ValueError(f"mix {text!r}: with --budget-bytes the budget sets the ratio; leave out '@...'")
-    return mix
+    fixed = {*quantizer_names(), "kivi", "none", "full"}
+    # a placeholder ratio lets the one mix parser check the policy and its options
+    spelled = [part if part.split(":", 1)[0].lower() in fixed else f"{part}@0.5" for part in parts]
+    return dataclasses.replace(parse_mix("+".join(spelled)), ratio=0.0)
 
 
 @dataclass(frozen=True)

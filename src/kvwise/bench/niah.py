@@ -22,6 +22,7 @@ from kvwise.bench.haystack import (
     DEFAULT_QUESTION,
     NeedlePromptBuilder,
     read_haystack,
+    split_essays,
     trial_grid,
 )
 from kvwise.core.partial import read_partial
@@ -126,12 +127,18 @@ def run_trial(
     }
 
 
+def bench_haystack(directory: str | None) -> str:
+    """The user's haystack folder whole; else the built-in essays less those kept for calibration
+    (what kvzap's surrogate and `kvwise calibrate` train on), so no trial reads a training text."""
+    return read_haystack(directory) if directory is not None else split_essays()[0]
+
+
 def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
     from kvwise.models import load_model
 
     model, tokenizer = load_model(config.model)
     builder = NeedlePromptBuilder(
-        tokenizer, read_haystack(config.haystack_dir), config.needle, config.question, config.answer_prefix
+        tokenizer, bench_haystack(config.haystack_dir), config.needle, config.question, config.answer_prefix
     )
     trials = trial_grid(config.lengths, config.depths, config.trials_per_depth, config.seed)
     prompts = {trial: builder.build(trial) for trial in trials}
@@ -157,8 +164,11 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
     done = _load_partial(partial_path, config) if resume else {}
     if not resume and partial_path.exists():
         partial_path.unlink()
-    work = [(name, ratio, None, trial) for name, ratio in config.cells() for trial in trials]
-    work += [(mix, None, budget, trial) for mix, budget in config.budget_cells() for trial in trials]
+    # trial by trial, every cell of a trial in turn: seconds per trial compare cells under the same
+    # machine load (reported as medians), and an interrupted run has every cell's first trials
+    cells = [(name, ratio, None) for name, ratio in config.cells()]
+    cells += [(mix, None, budget) for mix, budget in config.budget_cells()]
+    work = [(name, ratio, budget, trial) for trial in trials for name, ratio, budget in cells]
     sizer, skipped, order = ByteSizer(model), {}, []
     # Warm-up: the first forward pays one-time costs that would bias the first trial.
     trial_runner(prompts[trials[0]], "full", 0.0, config.mode)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from pathlib import Path
-from statistics import mean
+from statistics import mean, median
 
 from kvwise.core.pareto import pareto_front
 from kvwise.core.plotting import headless_pyplot
@@ -27,7 +27,7 @@ def summarize(results: list[dict]) -> list[dict]:
                 "kv_fraction": mean(row["kv_bytes"] / row["full_kv_bytes"] for row in rows),
                 "kv16_fraction": mean(row["kv_bytes"] / row["full16_kv_bytes"] for row in rows),
                 "kv_bytes": mean(row["kv_bytes"] for row in rows),
-                "seconds": mean(row["seconds"] for row in rows),
+                "seconds": median(row["seconds"] for row in rows),
             }
         )
     return summary
@@ -50,7 +50,7 @@ def markdown_table(report: dict) -> str:
         f"{system['device']} ({system['hardware']})",
         "",
         "Accuracy (correct/trials) per compression ratio; kv = bytes held / full cache bytes; "
-        "s = seconds per trial (x = against `full` in this run).",
+        "s = median seconds per trial, cells interleaved trial by trial (x = against `full` in this run).",
         "",
         "| policy | " + " | ".join(f"{ratio}" for ratio in ratios) + " |",
         "|---|" + "---|" * len(ratios),
@@ -85,7 +85,7 @@ def summarize_budgets(results: list[dict]) -> list[dict]:
             "kv16_fraction": mean(row["kv_bytes"] / row["full16_kv_bytes"] for row in rows),
             "kv16_most": max(row["kv_bytes"] / row["full16_kv_bytes"] for row in rows),
             "ratio": mean(row["ratio"] for row in rows),
-            "seconds": mean(row["seconds"] for row in rows),
+            "seconds": median(row["seconds"] for row in rows),
         }
         for (mix, budget), rows in cells.items()
     ]

@@ -20,6 +20,15 @@ def ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
+def parse_compare_flag(text: str) -> list[str]:
+    from kvwise.bench.kvpress_compare import parse_compare
+
+    try:
+        return parse_compare(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
 def names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
@@ -53,6 +62,13 @@ def add_bench_parsers(workloads) -> None:
         type=names,
         default=None,
         help="policy+quantizer mixes for --budget-bytes, without ratios (default: kvzip+kivi2,kvzap+kivi2,...)",
+    )
+    niah.add_argument(
+        "--compare",
+        type=parse_compare_flag,
+        default=None,
+        help="also run NVIDIA kvpress on the same trials and ratios, in a venv kvwise creates: "
+        "kvpress (KVzipPress, SnapKVPress, StreamingLLMPress, ExpectedAttentionPress) or kvpress:PRESS,...",
     )
     niah.add_argument("--seed", type=int, default=0)
     niah.add_argument("--out", type=Path, default=Path("results"))
@@ -331,7 +347,7 @@ def _niah(args) -> None:
     if args.quick:
         config.lengths, config.depths, config.trials_per_depth = [1000], [0.0, 0.5, 1.0], 1
     options = ("policies", "ratios", "lengths", "depths", "trials_per_depth", "haystack_dir", "needle", "question")
-    _override(config, args, (*options, "answer_prefix", "budget_bytes", "mixes"))
+    _override(config, args, (*options, "answer_prefix", "budget_bytes", "mixes", "compare"))
     report = run_niah(config, args.out, resume=not args.no_resume)
     print((args.out / "niah.md").read_text())
     print(f"wrote {args.out / 'niah.json'} ({len(report['results'])} trials)")

@@ -7,6 +7,7 @@ question, 8 greedy tokens). Results stream to `niah.partial.jsonl` so an interru
 from __future__ import annotations
 
 import json
+import logging
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,6 +26,8 @@ from kvwise.bench.haystack import (
     split_essays,
     trial_grid,
 )
+from kvwise.bench.kvpress_compare import run_kvpress
+from kvwise.bench.kvpress_venv import KvpressUnavailable
 from kvwise.core.partial import read_partial
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.generation import greedy_continue
@@ -33,6 +36,8 @@ from kvwise.policies.registry import make_policy
 from kvwise.policies.selection import check_ratio
 
 NUM_NEW_TOKENS = 8
+
+log = logging.getLogger("kvwise.bench")
 
 
 @dataclass
@@ -54,6 +59,8 @@ class NiahConfig:
     # equal-bytes cells: each mix at the ratio that holds each budget (a fraction of a 16-bit full cache)
     budget_bytes: list[float] = field(default_factory=list)
     mixes: list[str] = field(default_factory=list)
+    # kvpress presses run on the same trials at the same ratios, in kvpress's own venv
+    compare: list[str] = field(default_factory=list)
 
     def __post_init__(self):
         if self.mode not in ("agnostic", "aware"):
@@ -206,6 +213,22 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
                 partial.flush()
                 done[key] = row
     results = [done[key] for key in order]
+    compare_error = None
+    if config.compare:
+        try:
+            results += run_kvpress(
+                model,
+                tokenizer,
+                [(t, prompts[t]) for t in trials],
+                config.compare,
+                config.ratios,
+                config.mode,
+                NUM_NEW_TOKENS,
+                out_dir,
+            )
+        except KvpressUnavailable as error:  # the kvwise rows stand; the table says why kvpress's are missing
+            compare_error = str(error)
+            log.error("%s", error)
     report = {
         "workload": "niah",
         "config": asdict(config),
@@ -213,6 +236,7 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
         "system": system_info(model.device),
         "results": results,
         "skipped": [{"mix": mix, "budget": budget, "why": why} for (mix, budget), why in skipped.items()],
+        "compare_error": compare_error,
     }
     (out_dir / "niah.json").write_text(json.dumps(report, indent=1))
     from kvwise.bench.niah_report import write_niah_report

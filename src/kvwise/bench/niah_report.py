@@ -147,7 +147,8 @@ def budget_table(report: dict) -> str:
 
 
 def write_niah_report(report: dict, out_dir: Path) -> None:
-    (out_dir / "niah.md").write_text(markdown_table(report) + budget_table(report))
+    compare = f"\nkvpress rows missing: {report['compare_error']}\n" if report.get("compare_error") else ""
+    (out_dir / "niah.md").write_text(markdown_table(report) + compare + budget_table(report))
     plot_niah(report, out_dir)
     plot_budgets(report, out_dir)
 

@@ -12,10 +12,9 @@ import logging
 import re
 import subprocess
 import tempfile
-import threading
 from pathlib import Path
 
-from kvwise.bench.kvpress_venv import KvpressUnavailable, kvpress_python
+from kvwise.bench.kvpress_venv import KvpressUnavailable, kvpress_python, run_streaming
 from kvwise.hf.cache import full_kv_bytes
 
 log = logging.getLogger("kvwise.bench")
@@ -101,36 +100,24 @@ def run_kvpress(
 
 def _run_runner(command: list[str], timeout_s: float) -> None:
     """Run the runner, its stderr progress going to the log; a failure raises with its last line."""
-    process = subprocess.Popen(
-        command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
-    )
     last_lines: list[str] = []
-    # a thread drains stderr, so the wait below can hold the deadline while progress streams
-    reader = threading.Thread(target=_log_progress, args=(process.stderr, last_lines), daemon=True)
-    reader.start()
     try:
-        returncode = process.wait(timeout=timeout_s)
+        returncode = run_streaming(command, timeout_s, lambda line: _log_progress(line, last_lines))
     except subprocess.TimeoutExpired as error:
-        process.kill()
-        process.wait()
         raise KvpressUnavailable(f"the kvpress runner ran past its {timeout_s:.0f} s limit") from error
-    finally:
-        reader.join(timeout=5)
     if returncode != 0:
         last = last_lines[-1] if last_lines else "no output"
         raise KvpressUnavailable(f"the kvpress runner failed (exit code {returncode}): {last}")
 
 
-def _log_progress(stream, last_lines: list[str]) -> None:
-    for line in stream:
-        line = line.rstrip()
-        if not line:
-            continue
-        last_lines[:] = [line]
-        if PROGRESS_LINE.match(line):
-            log.info("%s", line)  # the runner's progress: "kvpress 3/40: trial 1 SnapKVPress ratio=0.5 ..."
-        else:
-            log.debug("kvpress runner: %s", line)
+def _log_progress(line: str, last_lines: list[str]) -> None:
+    if not line:
+        return
+    last_lines[:] = [line]
+    if PROGRESS_LINE.match(line):
+        log.info("%s", line)  # the runner's progress: "kvpress 3/40: trial 1 SnapKVPress ratio=0.5 ..."
+    else:
+        log.debug("kvpress runner: %s", line)
 
 
 def _row(model, trial, line: dict, mode: str) -> dict:

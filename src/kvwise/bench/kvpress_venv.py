@@ -86,36 +86,52 @@ def _read_marker(marker: Path) -> list[str] | None:
 def _run_logged(command: list[str], what: str, venv_dir: Path, timeout_s: float) -> None:
     """Run `command`, logging pip's package lines as progress and keeping the rest for the error."""
     failure = f"kvpress could not be installed in {venv_dir}: {what}"
+    lines: list[str] = []
     try:
-        process = subprocess.Popen(
-            command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, text=True
-        )
+        returncode = run_streaming(command, timeout_s, lambda line: _collect(line, lines), merge_stdout=True)
     except OSError as error:
         raise KvpressUnavailable(f"{failure}: {error}") from error
-    lines: list[str] = []
-    # a thread drains the pipe, so the wait below can hold a deadline while output streams
-    reader = threading.Thread(target=_collect, args=(process.stdout, lines), daemon=True)
-    reader.start()
-    try:
-        returncode = process.wait(timeout=timeout_s)
     except subprocess.TimeoutExpired as error:
-        process.kill()
-        process.wait()
         raise KvpressUnavailable(f"{failure}: timed out after {timeout_s:.0f} s; {_last_line(lines)}") from error
-    finally:
-        reader.join(timeout=5)
     if returncode != 0:
         raise KvpressUnavailable(f"{failure}: {_last_line(lines) or f'exit code {returncode}'}")
 
 
-def _collect(stream, lines: list[str]) -> None:
-    for line in stream:
-        line = line.rstrip()
-        lines.append(line)
-        if line.startswith(("Collecting ", "Installing collected packages", "Successfully installed")):
-            log.info("kvpress: %s", line[:200])
-        else:
-            log.debug("kvpress: %s", line)
+def run_streaming(command: list[str], timeout_s: float, handle_line, merge_stdout: bool = False) -> int:
+    """Run `command`, handing each line of its stderr (and stdout, if merged) to `handle_line` as it
+    comes; its exit code. Past `timeout_s` it is killed and subprocess.TimeoutExpired raised."""
+    process = subprocess.Popen(
+        command,
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE if merge_stdout else subprocess.DEVNULL,
+        stderr=subprocess.STDOUT if merge_stdout else subprocess.PIPE,
+        text=True,
+    )
+    stream = process.stdout if merge_stdout else process.stderr
+
+    def drain():
+        for line in stream:
+            handle_line(line.rstrip())
+
+    # a thread drains the pipe, so the wait below can hold the deadline while output streams
+    reader = threading.Thread(target=drain, daemon=True)
+    reader.start()
+    try:
+        return process.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait()
+        raise
+    finally:
+        reader.join(timeout=5)
+
+
+def _collect(line: str, lines: list[str]) -> None:
+    lines.append(line)
+    if line.startswith(("Collecting ", "Installing collected packages", "Successfully installed")):
+        log.info("kvpress: %s", line[:200])
+    else:
+        log.debug("kvpress: %s", line)
 
 
 def _last_line(lines: list[str]) -> str:

@@ -18,18 +18,7 @@ def summarize(results: list[dict]) -> list[dict]:
             cells[(row["policy"], row["ratio"])].append(row)
     summary = []
     for (policy, ratio), rows in cells.items():
-        summary.append(
-            {
-                "policy": policy,
-                "ratio": ratio,
-                "correct": sum(row["correct"] for row in rows),
-                "trials": len(rows),
-                "kv_fraction": mean(row["kv_bytes"] / row["full_kv_bytes"] for row in rows),
-                "kv16_fraction": mean(row["kv_bytes"] / row["full16_kv_bytes"] for row in rows),
-                "kv_bytes": mean(row["kv_bytes"] for row in rows),
-                "seconds": median(row["seconds"] for row in rows),
-            }
-        )
+        summary.append({"policy": policy, "ratio": ratio, **_cell(rows)})
     return summary
 
 
@@ -80,15 +69,24 @@ def summarize_budgets(results: list[dict]) -> list[dict]:
         {
             "mix": mix,
             "budget": budget,
-            "correct": sum(row["correct"] for row in rows),
-            "trials": len(rows),
-            "kv16_fraction": mean(row["kv_bytes"] / row["full16_kv_bytes"] for row in rows),
+            **_cell(rows),
             "kv16_most": max(row["kv_bytes"] / row["full16_kv_bytes"] for row in rows),
             "ratio": mean(row["ratio"] for row in rows),
-            "seconds": median(row["seconds"] for row in rows),
         }
         for (mix, budget), rows in cells.items()
     ]
+
+
+def _cell(rows: list[dict]) -> dict:
+    """Accuracy, bytes held (against the full cache, and a 16-bit one) and median seconds of one cell's trials."""
+    return {
+        "correct": sum(row["correct"] for row in rows),
+        "trials": len(rows),
+        "kv_fraction": mean(row["kv_bytes"] / row["full_kv_bytes"] for row in rows),
+        "kv16_fraction": mean(row["kv_bytes"] / row["full16_kv_bytes"] for row in rows),
+        "kv_bytes": mean(row["kv_bytes"] for row in rows),
+        "seconds": median(row["seconds"] for row in rows),
+    }
 
 
 def best_per_budget(summary: list[dict]) -> dict[float, dict]:

@@ -44,7 +44,11 @@ ENGINE_STEP_ATTRIBUTE = "_kvwise_step"  # the engine's StepLayout on an attentio
 
 
 def _store_input(module, args, kwargs):
-    holder = kwargs.get("cache", kwargs.get("past_key_values")) or getattr(module, ENGINE_STEP_ATTRIBUTE, None)
+    holder = kwargs.get("cache")
+    if holder is None:  # an empty cache may be falsy (len 0): test for None, never truth
+        holder = kwargs.get("past_key_values")
+    if holder is None:
+        holder = getattr(module, ENGINE_STEP_ATTRIBUTE, None)
     if not getattr(holder, "wants_attention_inputs", False):
         return None
     # [batch, query_len, hidden_size]: the input of this layer's q/k/v projections

@@ -43,7 +43,11 @@ def _load_builtin_policies() -> None:
 def policy_classes() -> dict[str, type[Policy]]:
     """Every registered policy, by name, in registration order."""
     _load_builtin_policies()
-    return dict(_REGISTRY)
+    # built-in policies in their listed order, whichever module was imported first; then any others
+    builtin = [cls for cls in _REGISTRY.values() if cls.__module__.rsplit(".", 1)[-1] in _POLICY_MODULES]
+    builtin.sort(key=lambda cls: _POLICY_MODULES.index(cls.__module__.rsplit(".", 1)[-1]))
+    others = [cls for cls in _REGISTRY.values() if cls not in builtin]
+    return {cls.name: cls for cls in [*builtin, *others]}
 
 
 def policy_names() -> list[str]:

@@ -73,8 +73,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--surrogate",
         choices=["train", "skip", "only"],
         default="train",
-        help="kvzap's score surrogate: train it beside the profile (default; kept if already there), "
-        "skip it, or train only it",
+        help="kvzap's score surrogate and the lowrank quantizer's bases: train them beside the profile "
+        "(default; kept if already there), skip them, or train only them",
     )
 
     bench = commands.add_parser("bench", help="benchmarks")
@@ -179,6 +179,7 @@ def _command_calibrate(args) -> None:
     path = run_calibrate(config, args.out, resume=not args.no_resume)
     if path.name.endswith(".kvzap.safetensors"):
         print(f"kvzap surrogate: {path}")
+        print(f"low-rank bases: {path.with_name(path.name.replace('.kvzap.', '.lowrank.'))}")
         return
     print(path.with_suffix(".md").read_text())
     print(f"profile: {path}")

@@ -3,7 +3,8 @@ write its profile.
 
 The surrogate (`adaptive.surrogate_training`) comes first: a few minutes of KVzip runs on the
 calibration text, one small head per layer, written as `<fingerprint>.kvzap.safetensors` beside
-the profile (kept when already there, unless `--no-resume`).
+the profile (kept when already there, unless `--no-resume`); then the low-rank codec's bases
+(`adaptive.lowrank_training`, seconds), as `<fingerprint>.lowrank.safetensors`.
 
 Each mix runs every probe (`adaptive.probes`) and the measurements become a `Profile`: quality per
 class relative to `full` on the same probes, bytes per token, extra seconds per token, and the
@@ -29,6 +30,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvwise.adaptive.lowrank_training import fit_basis
 from kvwise.adaptive.probes import AGREEMENT_TOKENS, Probe, agreement, calibration_text, make_probes
 from kvwise.adaptive.profile import CLASSES, MixProfile, Profile, user_profile_path
 from kvwise.adaptive.surrogate_training import SurrogateConfig, train_surrogate
@@ -41,6 +43,7 @@ from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.fingerprint import weights_fingerprint
 from kvwise.hf.generation import greedy_continue
+from kvwise.kv.lowrank_basis import SUFFIX as BASIS_SUFFIX
 from kvwise.policies.mix import Mix, parse_mix
 from kvwise.policies.score_surrogate import SUFFIX as SURROGATE_SUFFIX
 
@@ -89,7 +92,9 @@ class CalibrateConfig:
     seed: int = 0
     quick: bool = False
     probe_lengths: dict | None = None  # class -> (fewest, most) passage tokens (default probes.LENGTHS)
-    surrogate: str = "train"  # kvzap's score surrogate: "train" (unless already there), "skip", or "only"
+    # kvzap's score surrogate and the low-rank codec's bases: "train" (unless already there),
+    # "skip", or "only" (no profile)
+    surrogate: str = "train"
 
     def __post_init__(self):
         if self.quick and self.mixes == DEFAULT_MIXES:
@@ -108,7 +113,8 @@ class CalibrateConfig:
 
 
 def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool = True, model=None) -> Path:
-    """Train kvzap's surrogate (`<fingerprint>.kvzap.safetensors`), measure, write `<fingerprint>.json`
+    """Train kvzap's surrogate (`<fingerprint>.kvzap.safetensors`) and fit the low-rank bases
+    (`<fingerprint>.lowrank.safetensors`), measure, write `<fingerprint>.json`
     (and .md, .png) under `out`; returns the JSON's path (the surrogate's with `surrogate="only"`)."""
     if model is None:
         from kvwise.models import load_model
@@ -127,6 +133,10 @@ def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool
             surrogate_config.passages, surrogate_config.held_out = 6, 1
         train_surrogate(model, tokenizer, text, description, surrogate_config).save(surrogate_path)
         log.info("kvzap surrogate written to %s", surrogate_path)
+    basis_path = out / f"{fingerprint}{BASIS_SUFFIX}"
+    if config.surrogate != "skip" and (config.surrogate == "only" or not resume or not basis_path.exists()):
+        fit_basis(model, tokenizer, text, description, passages=3 if config.quick else 6).save(basis_path)
+        log.info("low-rank bases written to %s", basis_path)
     if config.surrogate == "only":
         return surrogate_path
     probes = make_probes(tokenizer, text, config.probes, config.seed, config.probe_lengths)

@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field
-from importlib import resources
 from pathlib import Path
 
-from kvwise.core.home import kvwise_home
+from kvwise.core.calibrated import calibrated_path, find_calibrated
 from kvwise.core.pareto import pareto_front
 from kvwise.policies.mix import parse_mix
 
@@ -116,27 +115,13 @@ def check_class(klass: str) -> str:
 
 def user_profile_path(fingerprint: str) -> Path:
     """Where `kvwise calibrate` writes a model's profile by default."""
-    return kvwise_home() / "profiles" / f"{fingerprint}.json"
+    return calibrated_path(fingerprint, ".json")
 
 
 def find_profile(fingerprint: str, path: str | Path | None = None) -> Profile | None:
     """The profile for these weights: `path` if given, else the user's (written by `kvwise
     calibrate`), else one shipped with the package; None when there is none."""
-    if path is not None:
-        profile = Profile.load(path)
-        if profile.fingerprint != fingerprint:
-            raise ValueError(
-                f"the profile {path} was calibrated on other weights (fingerprint {profile.fingerprint}, "
-                f"this model's is {fingerprint}); run `kvwise calibrate` on this model"
-            )
-        return profile
-    user = user_profile_path(fingerprint)
-    if user.exists():
-        return Profile.load(user)
-    shipped = resources.files("kvwise.adaptive") / "profiles" / f"{fingerprint}.json"
-    if shipped.is_file():
-        return Profile.from_json(json.loads(shipped.read_text()))
-    return None
+    return find_calibrated(fingerprint, ".json", Profile.load, "the profile {path} was calibrated", path)
 
 
 def require_profile(model, path: str | Path | None = None) -> Profile:

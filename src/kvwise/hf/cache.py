@@ -66,6 +66,8 @@ class KVWiseCache(Cache):
     ):
         self.compression_ratio = selection.check_ratio(compression_ratio)
         self.quantizer = make_quantizer(quant)
+        if self.quantizer is not None:
+            self.quantizer = self.quantizer.attach(model)  # a low-rank codec takes the model's bases
         if int(error_probe_every) < 1:
             raise ValueError(f"error_probe_every must be a positive integer, got {error_probe_every}")
         self.error_probe_every = int(error_probe_every)

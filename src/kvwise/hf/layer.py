@@ -77,7 +77,8 @@ class CompressingLayer(CacheLayerMixin):
         batch, num_kv_heads, _, head_dim = key_states.shape
         self.device, self.dtype = key_states.device, key_states.dtype
         self.batch_size, self.num_kv_heads, self.head_dim = batch, num_kv_heads, head_dim
-        self.store = KVStore(key_states, value_states, self.owner.quantizer)
+        quantizer = self.owner.quantizer
+        self.store = KVStore(key_states, value_states, quantizer and quantizer.for_layer(self.layer_idx))
         # None means implicit: every head holds slots 0..n-1, until something is evicted or padded.
         self.positions = None
         self.is_initialized = True

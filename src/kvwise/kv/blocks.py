@@ -24,7 +24,8 @@ class _CodecPool:
     def __init__(self, codec: Codec, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device):
         codec.check_head_dim(head_dim)
         self.codec, self.block_size, self.num_kv_heads = codec, block_size, num_kv_heads
-        probe = codec.encode(torch.zeros(block_size, head_dim, device=device), self._sizes(1, device))
+        heads = torch.zeros(block_size, dtype=torch.int64, device=device)
+        probe = codec.encode_heads(torch.zeros(block_size, head_dim, device=device), self._sizes(1, device), heads)
         self.per_token = {
             name: tensor.new_zeros((num_blocks, num_kv_heads, *tensor.shape))
             for name, tensor in probe.per_token.items()
@@ -37,17 +38,26 @@ class _CodecPool:
     def _sizes(self, num_groups: int, device) -> torch.Tensor:
         return torch.full((num_groups,), self.block_size, dtype=torch.int16, device=device)
 
-    def write(self, block_ids: torch.Tensor, rows: torch.Tensor) -> None:
-        """rows: [n, num_kv_heads, block_size, head_dim] for the blocks `block_ids` [n]."""
+    def _heads(self, bases: torch.Tensor | None, n: int, device) -> torch.Tensor:
+        """[n * num_kv_heads * block_size] int64: each row's head (or the `bases` [n, num_kv_heads] given)."""
+        if bases is None:
+            bases = torch.arange(self.num_kv_heads, device=device).expand(n, -1)
+        return bases.reshape(-1).repeat_interleave(self.block_size)
+
+    def write(self, block_ids: torch.Tensor, rows: torch.Tensor, bases: torch.Tensor | None = None) -> None:
+        """rows: [n, num_kv_heads, block_size, head_dim] for the blocks `block_ids` [n]. `bases`:
+        [n, num_kv_heads] the head index a per-head codec uses, when it is not the head's own."""
         n = block_ids.shape[0]
-        encoded = self.codec.encode(rows.reshape(-1, rows.shape[-1]), self._sizes(n * self.num_kv_heads, rows.device))
+        sizes = self._sizes(n * self.num_kv_heads, rows.device)
+        heads = self._heads(bases, n, rows.device)
+        encoded = self.codec.encode_heads(rows.reshape(-1, rows.shape[-1]), sizes, heads)
         for name, pool in self.per_token.items():
             pool[block_ids] = encoded.per_token[name].view(n, self.num_kv_heads, self.block_size, -1)
         for name, pool in self.per_group.items():
             pool[block_ids] = encoded.per_group[name].view(n, self.num_kv_heads, -1)
 
-    def read(self, block_ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """-> [n, num_kv_heads, block_size, head_dim] restored rows."""
+    def read(self, block_ids: torch.Tensor, dtype: torch.dtype, bases: torch.Tensor | None = None) -> torch.Tensor:
+        """-> [n, num_kv_heads, block_size, head_dim] restored rows (`bases` as for `write`)."""
         n = block_ids.shape[0]
         per_token = {
             name: pool[block_ids].reshape(n * self.num_kv_heads * self.block_size, -1)
@@ -55,7 +65,9 @@ class _CodecPool:
         }
         per_group = {name: pool[block_ids].reshape(n * self.num_kv_heads, -1) for name, pool in self.per_group.items()}
         sizes = self._sizes(n * self.num_kv_heads, block_ids.device) if per_group else None
-        rows = self.codec.decode(Encoded(per_token, per_group, sizes), dtype)
+        rows = self.codec.decode_heads(
+            Encoded(per_token, per_group, sizes), dtype, self._heads(bases, n, block_ids.device)
+        )
         return rows.view(n, self.num_kv_heads, self.block_size, -1)
 
     def zero(self, block_ids: torch.Tensor) -> None:
@@ -84,16 +96,19 @@ class QuantizedBlocks:
         self.keys = _CodecPool(quantizer.key_codec, num_blocks, block_size, num_kv_heads, head_dim, device)
         self.values = _CodecPool(quantizer.value_codec, num_blocks, block_size, num_kv_heads, head_dim, device)
 
-    def write(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Quantize full blocks. keys, values: [n, block_size, num_kv_heads, head_dim]; block_ids: [n]."""
+    def write(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bases=None) -> None:
+        """Quantize full blocks. keys, values: [n, block_size, num_kv_heads, head_dim]; block_ids: [n];
+        bases: [n, num_kv_heads] for a per-head codec, when a block's heads are not the layer's own
+        (a pool of single-head pages from every layer)."""
         if keys.shape[1] != self.block_size:
             raise ValueError(f"a block holds {self.block_size} tokens, got {keys.shape[1]}")
-        self.keys.write(block_ids, keys.transpose(1, 2))
-        self.values.write(block_ids, values.transpose(1, 2))
+        self.keys.write(block_ids, keys.transpose(1, 2), bases)
+        self.values.write(block_ids, values.transpose(1, 2), bases)
 
-    def read(self, block_ids: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def read(self, block_ids: torch.Tensor, dtype: torch.dtype, bases=None) -> tuple[torch.Tensor, torch.Tensor]:
         """Restore blocks: keys, values [n, block_size, num_kv_heads, head_dim] in `dtype`."""
-        return self.keys.read(block_ids, dtype).transpose(1, 2), self.values.read(block_ids, dtype).transpose(1, 2)
+        keys, values = self.keys.read(block_ids, dtype, bases), self.values.read(block_ids, dtype, bases)
+        return keys.transpose(1, 2), values.transpose(1, 2)
 
     def zero(self, block_ids: torch.Tensor) -> None:
         """Overwrite freed blocks with zeros, so the next owner cannot read the previous one's KV."""

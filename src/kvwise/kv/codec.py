@@ -120,3 +120,13 @@ class Codec(ABC):
     def check_head_dim(self, head_dim: int) -> None:
         """Raise a clear error if this codec cannot hold rows of `head_dim` channels (any width by default)."""
         return None
+
+    # Stores call these two: they know which KV head each row is of. Codecs whose code depends
+    # on the head (a per-head basis) override them; the rest ignore `heads`.
+    def encode_heads(self, rows: torch.Tensor, group_sizes: torch.Tensor | None, heads: torch.Tensor) -> Encoded:
+        """`encode` of rows whose KV heads are `heads` [num_tokens] int64."""
+        return self.encode(rows, group_sizes)
+
+    def decode_heads(self, encoded: Encoded, dtype: torch.dtype, heads: torch.Tensor) -> torch.Tensor:
+        """`decode` of rows whose KV heads are `heads` [num_tokens] int64."""
+        return self.decode(encoded, dtype)

@@ -8,6 +8,10 @@
                   (IntactKV, arXiv 2403.01241, makes the same case).
     int8          symmetric, one scale per token and head; no residual window.
     fp8           float8 e4m3, one scale per token and head; no residual window.
+    lowrank       keys (and with values=1, values) held as their first `r` coordinates in a
+                  per-layer, per-head basis from `kvwise calibrate` (`kv.lowrank_basis`),
+                  stored by the quantizer after the `+`: `lowrank:r=16+kivi4`. Alone, the
+                  coordinates are 16-bit floats. Its window and sinks are the inner quantizer's.
 
 Tokens leave the residual window for the quantized store `group_size` at a time, oldest first,
 and are never quantized again.
@@ -15,10 +19,12 @@ and are never quantized again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvwise.kv.codec import Codec
+from kvwise.kv.lowrank_codec import LowRankCodec
 from kvwise.kv.minmax import ChannelCodec, TokenCodec
+from kvwise.kv.plain import Float16Codec
 from kvwise.kv.scaled import Fp8Codec, Int8Codec
 
 KIVI_BITS = (2, 4)
@@ -41,6 +47,7 @@ class Quantizer:
     residual_length: int
     group_size: int
     sink_tokens: int = 0
+    canonical: str | None = None  # the spec, where the name and options do not make it (lowrank)
 
     def check_head_dim(self, head_dim: int) -> None:
         self.key_codec.check_head_dim(head_dim)
@@ -51,6 +58,8 @@ class Quantizer:
         """The canonical spelling: every setting that changes what is stored, in a fixed order, so
         "kivi4", "kivi4:sink_tokens=1" and "KIVI4:" name one quantizer (one pool, one cache key).
         `make_quantizer(q.spec)` rebuilds q."""
+        if self.canonical is not None:
+            return self.canonical
         options = {"residual_length": self.residual_length, "sink_tokens": self.sink_tokens}
         if self.name.startswith("kivi"):
             options = {"group_size": self.group_size, **options, "value_group_size": self.value_codec.channel_group}
@@ -58,6 +67,37 @@ class Quantizer:
 
     def describe(self) -> str:
         return f"{self.name} (residual {self.residual_length}, group {self.group_size})"
+
+    @property
+    def needs_model(self) -> bool:
+        """True while a codec lacks what only the model can give (a low-rank basis)."""
+        return any(isinstance(c, LowRankCodec) and not c.attached for c in (self.key_codec, self.value_codec))
+
+    def attach(self, model) -> Quantizer:
+        """This quantizer ready for `model`: low-rank codecs get the model's bases (a ValueError
+        naming `kvwise calibrate` when it has none). Others come back as they are."""
+        if not self.needs_model:
+            return self
+        from kvwise.kv.lowrank_basis import require_basis
+
+        basis = require_basis(model)
+
+        def attached(codec: Codec, role: str) -> Codec:
+            return codec.attach(*basis.flat(role, codec.rank)) if isinstance(codec, LowRankCodec) else codec
+
+        return replace(
+            self, key_codec=attached(self.key_codec, "keys"), value_codec=attached(self.value_codec, "values")
+        )
+
+    def for_layer(self, layer_idx: int) -> Quantizer:
+        """The quantizer of one layer's store: low-rank codecs keep that layer's bases only."""
+        if not isinstance(self.key_codec, LowRankCodec) and not isinstance(self.value_codec, LowRankCodec):
+            return self
+
+        def of_layer(codec: Codec) -> Codec:
+            return codec.for_layer(layer_idx) if isinstance(codec, LowRankCodec) else codec
+
+        return replace(self, key_codec=of_layer(self.key_codec), value_codec=of_layer(self.value_codec))
 
 
 def _kivi(
@@ -95,12 +135,39 @@ def _check_sinks(sink_tokens: int) -> None:
         raise ValueError(f"sink_tokens must be >= 0, got {sink_tokens}")
 
 
+def _lowrank(inner: Quantizer | None, r: int = 16, values: int = 0, residual_length: int = 0, sink_tokens: int = 1):
+    if values not in (0, 1):
+        raise ValueError(f"values is 0 (keys only) or 1 (keys and values), got {values}")
+    stage = f"lowrank:r={r}:values={values}"
+    if inner is None:
+        if residual_length < 0:
+            raise ValueError(f"residual_length must be >= 0, got {residual_length}")
+        _check_sinks(sink_tokens)
+        plain = Float16Codec()
+        value_codec = LowRankCodec(r, plain) if values else plain
+        spec = f"{stage}:residual_length={residual_length}:sink_tokens={sink_tokens}"
+        return Quantizer(f"lowrank{r}", LowRankCodec(r, plain), value_codec, residual_length, 1, sink_tokens, spec)
+    if (residual_length, sink_tokens) != (0, 1):
+        raise ValueError(
+            "with an inner quantizer, give residual_length and sink_tokens to it (lowrank:r=16+kivi4:sink_tokens=0)"
+        )
+    value_codec = LowRankCodec(r, inner.value_codec) if values else inner.value_codec
+    return replace(
+        inner,
+        name=f"lowrank{r}+{inner.name}",
+        key_codec=LowRankCodec(r, inner.key_codec),
+        value_codec=value_codec,
+        canonical=f"{stage}+{inner.spec}",
+    )
+
+
 _FACTORIES = {
     "kivi2": lambda **options: _kivi("kivi2", options.pop("bits", 2), **options),
     "kivi4": lambda **options: _kivi("kivi4", options.pop("bits", 4), **options),
     "kivi": lambda **options: _kivi(f"kivi{options.get('bits', 4)}", options.pop("bits", 4), **options),
     "int8": lambda **options: _per_token("int8", Int8Codec(), **options),
     "fp8": lambda **options: _per_token("fp8", Fp8Codec(), **options),
+    "lowrank": lambda **options: _lowrank(None, **options),
 }
 
 
@@ -116,7 +183,7 @@ def _parse_options(spec: str, name: str) -> dict[str, int]:
 
 
 def quantizer_names() -> list[str]:
-    return ["kivi2", "kivi4", "int8", "fp8"]
+    return ["kivi2", "kivi4", "int8", "fp8", "lowrank"]
 
 
 def make_quantizer(name: str | Quantizer | None, **options) -> Quantizer | None:
@@ -130,7 +197,20 @@ def make_quantizer(name: str | Quantizer | None, **options) -> Quantizer | None:
         if options:
             raise ValueError("quantizer options need a quantizer name")
         return name
-    name, _, spec = str(name).partition(":")
+    outer, plus, inner = str(name).partition("+")
+    if plus:  # a low-rank stage, then the quantizer of its coefficients
+        stage, _, stage_options = outer.partition(":")
+        if stage.strip().lower() != "lowrank":
+            raise ValueError(f"only lowrank composes with another quantizer (lowrank:r=16+kivi4), got {name!r}")
+        inner_quantizer = make_quantizer(inner)
+        if inner_quantizer is not None and inner_quantizer.canonical is not None:
+            raise ValueError(f"lowrank's inner quantizer is one of kivi2, kivi4, int8, fp8, got {inner!r}")
+        options = {**(_parse_options(stage_options, "lowrank") if stage_options else {}), **options}
+        try:
+            return _lowrank(inner_quantizer, **options)
+        except TypeError as error:
+            raise ValueError(f"bad option for quantizer 'lowrank': {error}") from None
+    name, _, spec = outer.partition(":")
     if spec:
         options = {**_parse_options(spec, name), **options}
     key = name.lower()

@@ -177,10 +177,11 @@ class KVStore:
         counts = [self.sink_lengths.flatten(), *(part.tokens for part in parts), self.residual_lengths.flatten()]
         sizes = [part.keys.num_tokens for part in parts]
         # One decode over every chunk, then per-chunk views: the op count stays flat as chunks grow.
-        key_parts = self.quantizer.key_codec.decode(concat_encoded([p.keys for p in parts]), self.dtype).split(sizes)
-        value_parts = self.quantizer.value_codec.decode(concat_encoded([p.values for p in parts]), self.dtype).split(
-            sizes
-        )
+        heads = torch.cat([self._kv_head_of_rows(part.tokens) for part in parts])
+        quantizer = self.quantizer
+        key_parts = quantizer.key_codec.decode_heads(concat_encoded([p.keys for p in parts]), self.dtype, heads)
+        value_parts = quantizer.value_codec.decode_heads(concat_encoded([p.values for p in parts]), self.dtype, heads)
+        key_parts, value_parts = key_parts.split(sizes), value_parts.split(sizes)
         keys = ragged.pad_parts([self.sink_keys, *key_parts, self.residual_keys], counts, self.grid, width)
         values = ragged.pad_parts([self.sink_values, *value_parts, self.residual_values], counts, self.grid, width)
         return keys, values, valid
@@ -310,8 +311,9 @@ class KVStore:
         quantizer, group = self.quantizer, self.quantizer.group_size
         groups_per_head = (counts + group - 1) // group
         group_sizes = self._group_sizes(counts, groups_per_head, group)
-        new_keys = quantizer.key_codec.encode(keys, group_sizes)
-        new_values = quantizer.value_codec.encode(values, group_sizes)
+        heads = self._kv_head_of_rows(counts)
+        new_keys = quantizer.key_codec.encode_heads(keys, group_sizes, heads)
+        new_values = quantizer.value_codec.encode_heads(values, group_sizes, heads)
         self.quantize_calls += 2 * keys.shape[0]
         new_key_groups = groups_per_head if quantizer.key_codec.groups_tokens else torch.zeros_like(counts)
         new_value_groups = groups_per_head if quantizer.value_codec.groups_tokens else torch.zeros_like(counts)
@@ -321,10 +323,14 @@ class KVStore:
         self.key_groups = self.key_groups + new_key_groups.view(self.grid)
         self.value_groups = self.value_groups + new_value_groups.view(self.grid)
         self.quantized_lengths = self.quantized_lengths + counts.view(self.grid)
-        restored_keys = quantizer.key_codec.decode(new_keys, self.dtype)
-        restored_values = quantizer.value_codec.decode(new_values, self.dtype)
+        restored_keys = quantizer.key_codec.decode_heads(new_keys, self.dtype, heads)
+        restored_values = quantizer.value_codec.decode_heads(new_values, self.dtype, heads)
         self.errors.add(keys, restored_keys, values, restored_values)
         return restored_keys, restored_values
+
+    def _kv_head_of_rows(self, counts: torch.Tensor) -> torch.Tensor:
+        """[sum(counts)] int64: the KV head of each row, for rows counted per (batch entry, head)."""
+        return ragged.head_of_rows(counts) % self.grid[1]
 
     @staticmethod
     def _group_sizes(tokens_per_head: torch.Tensor, groups_per_head: torch.Tensor, group: int) -> torch.Tensor:

@@ -10,12 +10,11 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 import torch
 
-from kvwise.core.home import kvwise_home
+from kvwise.core.calibrated import calibrated_path, find_calibrated
 
 SUFFIX = ".kvzap.safetensors"
 
@@ -80,24 +79,9 @@ class ScoreSurrogate:
 
 def user_surrogate_path(fingerprint: str) -> Path:
     """Where `kvwise calibrate` writes a model's surrogate (beside its profile)."""
-    return kvwise_home() / "profiles" / f"{fingerprint}{SUFFIX}"
+    return calibrated_path(fingerprint, SUFFIX)
 
 
 def find_surrogate(fingerprint: str, path: str | Path | None = None) -> ScoreSurrogate | None:
     """`path` if given, else the user's (from `kvwise calibrate`), else the shipped one; None if none."""
-    if path is not None:
-        surrogate = ScoreSurrogate.load(path)
-        if surrogate.fingerprint != fingerprint:
-            raise ValueError(
-                f"the kvzap surrogate {path} was trained on other weights (fingerprint {surrogate.fingerprint}, "
-                f"this model's is {fingerprint}); run `kvwise calibrate` on this model"
-            )
-        return surrogate
-    user = user_surrogate_path(fingerprint)
-    if user.exists():
-        return ScoreSurrogate.load(user)
-    shipped = resources.files("kvwise.adaptive") / "profiles" / f"{fingerprint}{SUFFIX}"
-    if shipped.is_file():
-        with resources.as_file(shipped) as local:
-            return ScoreSurrogate.load(local)
-    return None
+    return find_calibrated(fingerprint, SUFFIX, ScoreSurrogate.load, "the kvzap surrogate {path} was trained", path)

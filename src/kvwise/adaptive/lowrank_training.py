@@ -88,6 +88,11 @@ def fit_basis(
             f"the calibration text has {len(stream)} tokens; the low-rank bases need {64 * (passages + 1)}"
         )
     contexts = [head + stream[start * length : (start + 1) * length] for start in range(passages + 1)]
+    return fit_basis_on(model, contexts, description)
+
+
+def fit_basis_on(model, contexts: list[list[int]], description: str) -> LowRankBasis:
+    """Bases from the rows cached for every context but the last, and their error on the last."""
     moments: dict[int, dict[str, _Moments]] = {}
     for context in tqdm(contexts[:-1], desc="low-rank bases", unit="passage"):
         for index, layer_rows in cached_rows(model, context).items():
@@ -114,6 +119,7 @@ def fit_basis(
         }
         for role in ROLES
     }
-    basis.info = {"data": description, "tokens": length * passages, "held_out_relative_error": errors}
+    tokens = sum(len(context) for context in contexts[:-1])
+    basis.info = {"data": description, "tokens": tokens, "held_out_relative_error": errors}
     log.info("low-rank bases: held-out relative error by rank %s", errors)
     return basis

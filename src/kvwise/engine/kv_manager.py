@@ -82,6 +82,7 @@ class KVCacheManager:
         self.recomputed_blocks = 0
         self.peak_blocks = 0
         self.geometry = None  # the model's KVGeometry (heads, head size, windows), set by for_model
+        self.attach_quantizer = lambda quantizer: quantizer  # for_model: the model's low-rank bases
 
     @classmethod
     def for_model(cls, model, config: CacheConfig, tiers: Sequence[Tier] = ()) -> KVCacheManager:
@@ -116,6 +117,7 @@ class KVCacheManager:
         manager = cls(pool, tree, namespace_of, storage=storage, swap=swap, tiers=prefix_tiers)
         manager.geometry = shape
         manager.rotate_queries = query_rotator(model)
+        manager.attach_quantizer = lambda quantizer: quantizer.attach(model)
         return manager
 
     @property
@@ -594,8 +596,11 @@ class KVCacheManager:
     def _write_quantized(self, name: str, kept, counts, valid, positions) -> HeadRegion | None:
         store, ids = self.quant_pages(name), []
         self._room_in(store, sum(-(-count // self.block_size) for layer in counts for count in layer))
-        for layer_counts, keys, values, _, _ in kept:
-            stored = store.store(*(into_pages(part, layer_counts, self.block_size) for part in (keys, values)))
+        for layer, (layer_counts, keys, values, _, _) in enumerate(kept):
+            pages_per_head = torch.tensor([-(-count // self.block_size) for count in layer_counts])
+            heads = torch.repeat_interleave(torch.arange(len(layer_counts)), pages_per_head)
+            pages = (into_pages(part, layer_counts, self.block_size) for part in (keys, values))
+            stored = store.store(*pages, layer=layer, heads=heads)
             if stored is None:  # full: what this call stored goes back, and device pages take the region
                 store.release(ids)
                 return None
@@ -625,12 +630,13 @@ class KVCacheManager:
         quarter of the pool's head pages, quantized."""
         if name not in self.quantized_pages:
             layers, heads = len(self.storage.keys), self.head_pages.kv_heads
-            self.quantized_pages[name] = QuantPages(name, self.storage, self.pool.num_blocks * layers * heads // 4)
+            capacity = self.pool.num_blocks * layers * heads // 4
+            self.quantized_pages[name] = QuantPages(name, self.storage, capacity, self.attach_quantizer)
         return self.quantized_pages[name]
 
     def quant_pool(self, name: str) -> QuantPool:
         if name not in self.quant_pools:
-            self.quant_pools[name] = QuantPool(name, self.storage, self.pool.num_blocks)
+            self.quant_pools[name] = QuantPool(name, self.storage, self.pool.num_blocks, self.attach_quantizer)
         return self.quant_pools[name]
 
     def quantize_settled(self, requests: Sequence[Request]) -> list[tuple[Request, Exception]]:

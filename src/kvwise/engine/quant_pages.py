@@ -19,48 +19,70 @@ from kvwise.kv.quantizer import make_quantizer
 
 
 class QuantPages:
-    def __init__(self, name: str, storage: PagedKVStorage, capacity: int):
-        """capacity: pages it can hold (allocated up front, quantized)."""
+    def __init__(self, name: str, storage: PagedKVStorage, capacity: int, attach=lambda quantizer: quantizer):
+        """capacity: pages it can hold (allocated up front, quantized); attach: readies the
+        quantizer for the model (`Quantizer.attach`: a low-rank codec's bases)."""
         self.name = name
-        quantizer = make_quantizer(name)
+        self.quantizer = attach(make_quantizer(name))
         layer = storage.keys[0]
         self.block_size, self.dtype = storage.block_size, layer.dtype
-        self.pages = QuantizedBlocks(quantizer, capacity, self.block_size, 1, layer.shape[-1], layer.device)
+        self.pages = QuantizedBlocks(self.quantizer, capacity, self.block_size, 1, layer.shape[-1], layer.device)
+        # A page is one head of one layer; a per-head codec (low-rank) needs to know which.
+        self.layer_starts = next(
+            (
+                codec.starts
+                for codec in (self.quantizer.key_codec, self.quantizer.value_codec)
+                if hasattr(codec, "starts")
+            ),
+            None,
+        )
+        per_head = self.layer_starts is not None
+        self.page_bases = torch.zeros(capacity, dtype=torch.int32, device=layer.device) if per_head else None
         self.ids = BlockPool(capacity, self.block_size)
         self.ids.on_release(self._zero)
-        self.page_bytes = self.pages.nbytes() // capacity
+        self.page_bytes = self.pages.nbytes() // capacity + (4 if per_head else 0)
         self.device = layer.device
 
-    def store(self, keys: torch.Tensor, values: torch.Tensor) -> list[int] | None:
-        """Quantize pages keys, values [n, block_size, head_dim]; their ids, or None when full."""
+    def store(self, keys: torch.Tensor, values: torch.Tensor, layer: int = 0, heads=None) -> list[int] | None:
+        """Quantize pages keys, values [n, block_size, head_dim] of `layer`'s KV heads `heads` [n];
+        their ids, or None when full."""
         if not self.ids.can_allocate(keys.shape[0]):
             return None
         ids = self.ids.allocate(keys.shape[0])
-        self.pages.write(torch.tensor(ids, device=self.device), keys[:, :, None], values[:, :, None])
+        index = torch.tensor(ids, device=self.device)
+        bases = None
+        if self.page_bases is not None:
+            bases = heads.to(self.device) + self.layer_starts[layer]
+            self.page_bases[index] = bases.to(torch.int32)
+            bases = bases[:, None].long()
+        self.pages.write(index, keys[:, :, None], values[:, :, None], bases)
         return ids
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values [n, block_size, head_dim] in the model's dtype."""
-        keys, values = self.pages.read(ids, self.dtype)
+        bases = None if self.page_bases is None else self.page_bases[ids][:, None].long()
+        keys, values = self.pages.read(ids, self.dtype, bases)
         return keys[:, :, 0], values[:, :, 0]
 
-    def export(self, ids: list[int]) -> dict[str, torch.Tensor]:
-        """The stored codes and scales of pages `ids`, by name (for a tier: restored bit for bit)."""
-        index = torch.tensor(ids, dtype=torch.long, device=self.device)
-        return {
-            f"{role}.{name}": table[index].cpu()
-            for role, pool in (("keys", self.pages.keys), ("values", self.pages.values))
-            for name, table in (*pool.per_token.items(), *pool.per_group.items())
-        }
-
-    def restore(self, stored: dict[str, torch.Tensor], count: int) -> list[int] | None:
-        """New ids for `count` pages whose codes and scales are `stored` (from `export`); None when
-        full or when `stored` does not fit this store (another quantizer's layout)."""
+    def _tables(self) -> dict[str, torch.Tensor]:
         tables = {
             f"{role}.{name}": table
             for role, pool in (("keys", self.pages.keys), ("values", self.pages.values))
             for name, table in (*pool.per_token.items(), *pool.per_group.items())
         }
+        if self.page_bases is not None:
+            tables["pages.bases"] = self.page_bases
+        return tables
+
+    def export(self, ids: list[int]) -> dict[str, torch.Tensor]:
+        """The stored codes and scales of pages `ids`, by name (for a tier: restored bit for bit)."""
+        index = torch.tensor(ids, dtype=torch.long, device=self.device)
+        return {name: table[index].cpu() for name, table in self._tables().items()}
+
+    def restore(self, stored: dict[str, torch.Tensor], count: int) -> list[int] | None:
+        """New ids for `count` pages whose codes and scales are `stored` (from `export`); None when
+        full or when `stored` does not fit this store (another quantizer's layout)."""
+        tables = self._tables()
         fits = set(stored) == set(tables) and all(
             stored[name].shape == (count, *table.shape[1:]) and stored[name].dtype == table.dtype
             for name, table in tables.items()

@@ -19,15 +19,16 @@ from kvwise.kv.quantizer import make_quantizer
 
 
 class QuantPool:
-    def __init__(self, name: str, storage: PagedKVStorage, num_blocks: int):
+    def __init__(self, name: str, storage: PagedKVStorage, num_blocks: int, attach=lambda quantizer: quantizer):
+        """attach: readies the quantizer for the model (`Quantizer.attach`: a low-rank codec's bases)."""
         self.name = name
-        self.quantizer = make_quantizer(name)
+        self.quantizer = attach(make_quantizer(name))
         layer = storage.keys[0]
         self.block_size, self.dtype, self.device = storage.block_size, layer.dtype, layer.device
         heads, head_dim = layer.shape[2], layer.shape[3]
         self.layers = [
-            QuantizedBlocks(self.quantizer, num_blocks, self.block_size, heads, head_dim, layer.device)
-            for _ in storage.keys
+            QuantizedBlocks(self.quantizer.for_layer(index), num_blocks, self.block_size, heads, head_dim, layer.device)
+            for index in range(len(storage.keys))
         ]
         self.pool = BlockPool(num_blocks, self.block_size)
         self.pool.on_release(self._zero)

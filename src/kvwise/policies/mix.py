@@ -4,10 +4,12 @@
     h2o@max=1024+kivi4:group_size=32     keep at most 1024 tokens per head, KIVI 4-bit in groups of 32
     snapkv:window_size=32@0.75           a policy option, then the ratio
     kivi2                                no eviction, KIVI 2-bit
+    kvzip@0.9+lowrank:r=48+kivi2         keys as 48 coordinates of a calibrated basis, then KIVI 2-bit
     full                                 neither
 
 Components are joined by `+`: at most one policy (with `@RATIO`, the fraction of KV removed in
-[0, 1), or `@max=N`, a cap in tokens per head) and at most one quantizer; options follow a
+[0, 1), or `@max=N`, a cap in tokens per head) and at most one quantizer (a `lowrank` stage
+followed by its inner quantizer counts as one); options follow a
 colon as `key=value` pairs separated by commas. `policy:0.9` and `policy:1024` are read as
 `policy@0.9` and `policy@max=1024`. Every error names the component at fault.
 `Mix.spec` is the one canonical spelling: equal mixes have equal specs, so a spec can key a
@@ -41,9 +43,10 @@ class Mix:
             options = ",".join(f"{name}={_text(value)}" for name, value in self.policy_options)
             budget = f"max={self.max_tokens}" if self.max_tokens is not None else _text(self.ratio)
             parts.append(f"{self.policy}{':' + options if options else ''}@{budget}")
-        if self.quant is not None:
-            name, _, options = self.quant.partition(":")
-            parts.append(name + (":" + options.replace(":", ",") if options else ""))
+        if self.quant is not None:  # a low-rank stage and its inner quantizer are two components
+            for stage in self.quant.split("+"):
+                name, _, options = stage.partition(":")
+                parts.append(name + (":" + options.replace(":", ",") if options else ""))
         return "+".join(parts) or "full"
 
     def __str__(self) -> str:
@@ -62,6 +65,10 @@ def parse_mix(text: str | Mix) -> Mix:
             raise ValueError(f"empty component in KV mix {text!r} (two '+' in a row, or one at an end)")
         name = component.split("@", 1)[0].split(":", 1)[0].strip().lower()
         if name in quantizer_names() or name in ("kivi", "none"):
+            if quant is not None and _is_bare_lowrank(quant[0]) and not _is_bare_lowrank(component):
+                component = f"{quant[0]}+{component}"  # lowrank:r=16+kivi4: the low-rank stage's inner quantizer
+                quant = (component, _quantizer(component))
+                continue
             if quant is not None:
                 raise ValueError(f"KV mix {text!r} names two quantizers ({quant[0]!r} and {component!r})")
             quant = (component, _quantizer(component))
@@ -76,11 +83,18 @@ def parse_mix(text: str | Mix) -> Mix:
     return Mix(quant=quant[1] if quant is not None else None, **fields)
 
 
+def _is_bare_lowrank(component: str) -> bool:
+    return "+" not in component and component.split(":", 1)[0].strip().lower() == "lowrank"
+
+
 def _quantizer(component: str) -> str | None:
     if "@" in component:
         raise ValueError(f"{component!r}: a quantizer takes no ratio; put '@' on the policy")
-    name, _, options = component.partition(":")
-    spec = name + (":" + options.replace(",", ":") if options.strip() else "")
+    stages = []
+    for stage in component.split("+"):
+        name, _, options = stage.partition(":")
+        stages.append(name + (":" + options.replace(",", ":") if options.strip() else ""))
+    spec = "+".join(stages)
     try:
         quantizer = make_quantizer(spec)
     except ValueError as error:

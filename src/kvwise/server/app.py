@@ -83,8 +83,9 @@ class Caller:
 
 
 def default_kv_quant_options() -> frozenset[str]:
-    """The four quantizers with their default settings."""
-    return frozenset(make_quantizer(name).spec for name in quantizer_names())
+    """The four scalar quantizers with their default settings (lowrank needs the model's bases
+    from `kvwise calibrate`, so a server enables it by name: --kv-quant-options)."""
+    return frozenset(make_quantizer(name).spec for name in quantizer_names() if name != "lowrank")
 
 
 def parse_kv_quant_options(text: str | None) -> frozenset[str]:

@@ -28,6 +28,7 @@ from kvwise.bench.haystack import (
 )
 from kvwise.bench.kvpress_compare import run_kvpress
 from kvwise.bench.kvpress_venv import KvpressUnavailable
+from kvwise.bench.peak_memory import PeakMemory
 from kvwise.core.partial import read_partial
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.generation import greedy_continue
@@ -118,7 +119,7 @@ def run_trial(
         whole = torch.cat([context_ids, question_ids], dim=1)
         compressed_ids, rest_ids = whole[:, :-1], whole[:, -1:]
     cache.check_length(context_ids.shape[1] + question_ids.shape[1] + NUM_NEW_TOKENS)
-    with torch.no_grad():
+    with torch.no_grad(), PeakMemory(device) as memory:
         cache.compress_context(compressed_ids)
         kv_bytes = cache.nbytes()
         new_ids = greedy_continue(model, cache, rest_ids, NUM_NEW_TOKENS)
@@ -130,6 +131,7 @@ def run_trial(
         "full16_kv_bytes": full_kv_bytes(model, num_compressed, 2),
         "compressed_tokens": num_compressed,
         "seconds": seconds,
+        "peak_bytes": memory.peak_bytes,  # above what the process held before the trial
         "answer": tokenizer.decode(new_ids[0], skip_special_tokens=True),
     }
 

@@ -26,7 +26,7 @@ def markdown_table(report: dict) -> str:
     summary = summarize(report["results"])
     full_seconds = [row["seconds"] for row in summary if row["policy"] == "full"]
     baseline = full_seconds[0] if full_seconds else None
-    ratios = sorted({row["ratio"] for row in summary if row["policy"] != "full"})
+    ratios = sorted({row["ratio"] for row in summary if row["policy"] != "full"}) or [0.0]  # full alone: one column
     policies = list(dict.fromkeys(row["policy"] for row in summary))
     by_cell = {(row["policy"], row["ratio"]): row for row in summary}
     config, system = report["config"], report["system"]
@@ -39,7 +39,8 @@ def markdown_table(report: dict) -> str:
         f"{system['device']} ({system['hardware']})",
         "",
         "Accuracy (correct/trials) per compression ratio; kv = bytes held / full cache bytes; "
-        "s = median seconds per trial, cells interleaved trial by trial (x = against `full` in this run).",
+        "s = median seconds per trial, cells interleaved trial by trial (x = against `full` in this run); "
+        "peak = the most memory a trial needed above what the process held before it.",
         "",
         "| policy | " + " | ".join(f"{ratio}" for ratio in ratios) + " |",
         "|---|" + "---|" * len(ratios),
@@ -53,7 +54,7 @@ def markdown_table(report: dict) -> str:
                 continue
             speed = f", {row['seconds']:.2f}s" + (f" ({row['seconds'] / baseline:.2f}x)" if baseline else "")
             kv16 = f", kv16 {row['kv16_fraction']:.4f}" if config.get("quant") else ""
-            cells.append(f"{row['correct']}/{row['trials']}, kv {row['kv_fraction']:.3f}{kv16}{speed}")
+            cells.append(f"{row['correct']}/{row['trials']}, kv {row['kv_fraction']:.3f}{kv16}{speed}{_peak(row)}")
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
@@ -86,7 +87,13 @@ def _cell(rows: list[dict]) -> dict:
         "kv16_fraction": mean(row["kv_bytes"] / row["full16_kv_bytes"] for row in rows),
         "kv_bytes": mean(row["kv_bytes"] for row in rows),
         "seconds": median(row["seconds"] for row in rows),
+        "peak_bytes": max((row.get("peak_bytes") or 0 for row in rows), default=0) or None,
     }
+
+
+def _peak(row: dict) -> str:
+    """ ", peak 1.23 GB": the most a trial of the cell needed above what the process held before it."""
+    return f", peak {row['peak_bytes'] / 2**30:.2f} GB" if row.get("peak_bytes") else ""
 
 
 def best_per_budget(summary: list[dict]) -> dict[float, dict]:
@@ -131,7 +138,7 @@ def budget_table(report: dict) -> str:
                 continue
             text = (
                 f"{row['correct']}/{row['trials']}, kv16 {row['kv16_fraction']:.4f} ({row['kv16_most']:.4f}), "
-                f"r {row['ratio']:.3f}, {row['seconds']:.2f}s"
+                f"r {row['ratio']:.3f}, {row['seconds']:.2f}s{_peak(row)}"
             )
             cells.append(f"**{text}**" if best.get(budget) is row else text)
         lines.append(f"| {mix} | " + " | ".join(cells) + " |")

@@ -12,6 +12,7 @@ import kvwise.adaptive.calibrate as calibrate
 from kvwise.adaptive.calibrate import CalibrateConfig, run_calibrate
 from kvwise.adaptive.profile import CLASSES, Profile, find_profile, require_profile
 from kvwise.hf.fingerprint import weights_fingerprint
+from kvwise.kv.lowrank_basis import LowRankBasis
 from kvwise.models import load_model
 from kvwise.policies.score_surrogate import ScoreSurrogate
 from tests.tiny_chars_model import save_tiny_llama
@@ -71,6 +72,8 @@ def test_calibrate_writes_a_profile_keyed_by_the_weights(tiny, documents, tmp_pa
     assert not (path.parent / f"{fingerprint}.partial.jsonl").exists()
     surrogate = ScoreSurrogate.load(path.parent / f"{fingerprint}.kvzap.safetensors")  # kvzap's, beside it
     assert surrogate.fingerprint == fingerprint and set(surrogate.info["agreement"]) == {"0.75", "0.9", "0.95"}
+    basis = LowRankBasis.load(path.parent / f"{fingerprint}.lowrank.safetensors")  # the low-rank codec's, too
+    assert basis.fingerprint == fingerprint and set(basis.info["held_out_relative_error"]) == {"keys", "values"}
     # the user's profile directory is where auto looks first
     assert find_profile(fingerprint, path).fingerprint == fingerprint
 

@@ -46,3 +46,26 @@ def test_report_files_are_written(tmp_path):
     assert (tmp_path / "niah.md").exists()
     assert (tmp_path / "niah_heatmap_snapkv.png").stat().st_size > 0
     assert (tmp_path / "niah_accuracy_vs_bytes.png").stat().st_size > 0
+
+
+def test_each_length_gets_its_own_tables(tmp_path):
+    from kvwise.bench.niah_report import per_length
+
+    def row(length, correct):
+        return {
+            "policy": "full", "ratio": 0.0, "length": length, "depth": 0.5, "trial": 0, "correct": correct,
+            "kv_bytes": 2, "full_kv_bytes": 2, "full16_kv_bytes": 1, "seconds": 1.0, "budget": None,
+        }  # fmt: skip
+
+    report = {
+        "config": {"mode": "agnostic", "lengths": [1000, 4000], "depths": [0.5], "trials_per_depth": 1, "seed": 0,
+                   "model": None, "quant": None},
+        "system": {"kvwise": "x", "torch": "x", "transformers": "x", "device": "cpu", "hardware": "x"},
+        "results": [row(1000, True), row(4000, False)],
+    }  # fmt: skip
+    parts = per_length(report)
+    assert [part["config"]["lengths"] for part in parts] == [[1000], [4000]]
+    write_niah_report(report, tmp_path)
+    text = (tmp_path / "niah.md").read_text()
+    assert "lengths=[1000]" in text and "lengths=[4000]" in text
+    assert "| full | 1/1," in text and "| full | 0/1," in text

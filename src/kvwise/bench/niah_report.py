@@ -151,9 +151,27 @@ def budget_table(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def per_length(report: dict) -> list[dict]:
+    """The report cut by context length: a cell's trials are of one length (a 4000-token trial
+    and a 1000-token one say different things)."""
+    lengths = sorted({row["length"] for row in report["results"]})
+    if len(lengths) <= 1:
+        return [report]
+    return [
+        {
+            **report,
+            "config": {**report["config"], "lengths": [length]},
+            "results": [row for row in report["results"] if row["length"] == length],
+            "skipped": [row for row in report.get("skipped", []) if row.get("length", length) == length],
+        }
+        for length in lengths
+    ]
+
+
 def write_niah_report(report: dict, out_dir: Path) -> None:
     compare = f"\nkvpress rows missing: {report['compare_error']}\n" if report.get("compare_error") else ""
-    (out_dir / "niah.md").write_text(markdown_table(report) + compare + budget_table(report))
+    tables = [markdown_table(part) + budget_table(part) for part in per_length(report)]
+    (out_dir / "niah.md").write_text("\n".join(tables) + compare)
     plot_niah(report, out_dir)
     plot_budgets(report, out_dir)
 

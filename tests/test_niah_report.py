@@ -69,3 +69,28 @@ def test_each_length_gets_its_own_tables(tmp_path):
     text = (tmp_path / "niah.md").read_text()
     assert "lengths=[1000]" in text and "lengths=[4000]" in text
     assert "| full | 1/1," in text and "| full | 0/1," in text
+
+
+def test_long_runs_one_resumable_grid_per_length(tmp_path, monkeypatch):
+    from kvwise.bench import commands, niah
+    from kvwise.cli import build_parser
+
+    runs = []
+
+    def fake_run(config, out, resume=True):
+        runs.append((config, out))
+        out.mkdir(parents=True)
+        (out / "niah.md").write_text("table\n")
+        return {"results": []}
+
+    monkeypatch.setattr(niah, "run_niah", fake_run)
+    for flags in ([], ["--quick"]):
+        runs.clear()
+        args = build_parser().parse_args(["bench", "niah", "--long", *flags, "--out", str(tmp_path / str(len(flags)))])
+        commands._niah(args)
+        assert [out.name for _, out in runs] == ["L4000", "L8000"]
+        first, second = runs[0][0], runs[1][0]
+        assert first.lengths == [4000] and first.budget_bytes == [0.05] and "kvzip" in first.policies
+        assert second.lengths == [8000] and second.policies == ["full"] and second.mixes == ["kvzap+kivi4"]
+        assert ("kvzip+kivi4" in first.mixes) == (not flags)
+        assert (first.trials_per_depth, len(first.depths)) == ((1, 3) if flags else (2, 5))

@@ -73,6 +73,13 @@ def add_bench_parsers(workloads) -> None:
     niah.add_argument("--seed", type=int, default=0)
     niah.add_argument("--out", type=Path, default=Path("results"))
     niah.add_argument("--quick", action="store_true", help="a small grid: L=1000, 3 depths, 1 trial each")
+    niah.add_argument(
+        "--long",
+        action="store_true",
+        help="the long-context grid, into OUT/L4000 and OUT/L8000: full, kvzip and kvzap at 0.9 and 0.95 and "
+        "mixes at 0.05 of the bytes at 4000 tokens; full and kvzap+kivi4 at 8000 (with --quick: 3 depths, "
+        "1 trial, no kvzip mix; about 15 minutes on 2 CPU cores)",
+    )
     niah.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")
     niah.add_argument("--haystack-dir", default=None, help="a folder of .txt files to use as the haystack")
     niah.add_argument("--needle", default=None, help="needle template containing {key}")
@@ -341,16 +348,25 @@ def _override(config, args, options) -> None:
 
 
 def _niah(args) -> None:
-    from kvwise.bench.niah import NiahConfig, run_niah
+    from kvwise.bench.niah import LONG_GRIDS, NiahConfig, run_niah
 
-    config = NiahConfig(mode=args.mode, model=args.model, seed=args.seed, quant=args.quant, engine=args.engine)
-    if args.quick:
-        config.lengths, config.depths, config.trials_per_depth = [1000], [0.0, 0.5, 1.0], 1
-    options = ("policies", "ratios", "lengths", "depths", "trials_per_depth", "haystack_dir", "needle", "question")
-    _override(config, args, (*options, "answer_prefix", "budget_bytes", "mixes", "compare"))
-    report = run_niah(config, args.out, resume=not args.no_resume)
-    print((args.out / "niah.md").read_text())
-    print(f"wrote {args.out / 'niah.json'} ({len(report['results'])} trials)")
+    grids = LONG_GRIDS if args.long else ({},)
+    for grid in grids:
+        config = NiahConfig(mode=args.mode, model=args.model, seed=args.seed, quant=args.quant, engine=args.engine)
+        for option, value in grid.items():
+            setattr(config, option, list(value))
+        if args.quick:
+            config.depths, config.trials_per_depth = [0.0, 0.5, 1.0], 1
+            if args.long:  # KVzip's second pass at 4000 tokens is the long pole: its rows at ratios only
+                config.mixes = [mix for mix in config.mixes if not mix.startswith("kvzip")]
+            else:
+                config.lengths = [1000]
+        options = ("policies", "ratios", "lengths", "depths", "trials_per_depth", "haystack_dir", "needle", "question")
+        _override(config, args, (*options, "answer_prefix", "budget_bytes", "mixes", "compare"))
+        out = args.out / f"L{config.lengths[0]}" if args.long else args.out
+        report = run_niah(config, out, resume=not args.no_resume)
+        print((out / "niah.md").read_text())
+        print(f"wrote {out / 'niah.json'} ({len(report['results'])} trials)")
 
 
 def _ppl(args) -> None:

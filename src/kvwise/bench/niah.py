@@ -41,6 +41,21 @@ NUM_NEW_TOKENS = 8
 log = logging.getLogger("kvwise.bench")
 
 
+# `kvwise bench niah --long`: one run per length (each its own folder, each resumable). KVzip's
+# pass reads the context twice, so at 8000 tokens it would need 16K positions: the embedded
+# model has 8K, and kvzap (no second pass) is the kvzip-quality policy there.
+LONG_GRIDS = (
+    {
+        "lengths": [4000],
+        "policies": ["full", "kvzip", "kvzap"],
+        "ratios": [0.9, 0.95],
+        "budget_bytes": [0.05],
+        "mixes": ["kvzap+kivi4", "kvzip+kivi4"],
+    },
+    {"lengths": [8000], "policies": ["full"], "ratios": [0.9], "budget_bytes": [0.05], "mixes": ["kvzap+kivi4"]},
+)
+
+
 @dataclass
 class NiahConfig:
     policies: list[str] = field(default_factory=lambda: ["full", "streaming_llm", "snapkv", "kvzip"])

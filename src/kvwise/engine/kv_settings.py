@@ -63,6 +63,11 @@ class KVSettings:
             quantizer = make_quantizer(self.quant)
             self.quant = None if quantizer is None else quantizer.spec
         self.scorer = make_policy(self.policy, **self.options)
+        if getattr(self.scorer, "pass_chunk", 0):
+            raise ValueError(
+                "kvzip's pass_chunk (chunked reconstruction) runs in the library cache (KVWiseCache); "
+                "the engine re-reads the context in one pass"
+            )
 
     @property
     def evicts(self) -> bool:

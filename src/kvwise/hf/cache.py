@@ -199,10 +199,11 @@ class KVWiseCache(Cache):
                 untouched = [(layer, dict(layer.__dict__)) for layer in others]
                 self.in_context_pass = True
                 try:
-                    pass_ids, pass_mask = self.policy.context_pass_inputs(input_ids, attention_mask, self.tokenizer)
-                    self.model(
-                        input_ids=pass_ids, attention_mask=pass_mask, cache=self, use_cache=True, logits_to_keep=1
-                    )
+                    passes = self.policy.context_passes(input_ids, attention_mask, self.tokenizer)
+                    for pass_ids, pass_mask in passes:  # scores: the highest over the passes
+                        self.model(
+                            input_ids=pass_ids, attention_mask=pass_mask, cache=self, use_cache=True, logits_to_keep=1
+                        )
                 finally:
                     self.in_context_pass = False
                     for layer, state in untouched:

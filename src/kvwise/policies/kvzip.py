@@ -41,12 +41,19 @@ class KVzipPolicy(Policy):
     pool_kernel: int = 1  # max-pool scores over this many neighbouring tokens (odd; 1 = off)
     credit: str = "all"  # self mode: which slots a query's attention credits (all, future, past)
     chunk_size: int = 128
+    # KVzip's chunked reconstruction: re-read the context in passes of this many tokens, each
+    # [repeat prompt, chunk] attending to the whole context; 0 re-reads it in one pass. Chunks
+    # keep the pass's positions within the context length plus one chunk (a model trained on
+    # 8K positions cannot re-read 4K tokens after 4K in one pass without leaving its range).
+    pass_chunk: int = 0
 
     def __post_init__(self):
         if self.reconstruction not in ("self", "pass"):
             raise ValueError(f"reconstruction must be 'self' or 'pass', got {self.reconstruction!r}")
         if self.query_stride < 1 or self.chunk_size < 1:
             raise ValueError("query_stride and chunk_size must be >= 1")
+        if self.pass_chunk < 0:
+            raise ValueError(f"pass_chunk is a number of tokens >= 1, or 0 for one pass; got {self.pass_chunk}")
 
     def head_ceiling(self, budget):
         return None if self.max_head_share <= 0 else max(1, int(self.max_head_share * budget))
@@ -78,6 +85,27 @@ class KVzipPolicy(Policy):
             return pass_ids, None
         ones = torch.ones_like(prompt, dtype=attention_mask.dtype)
         return pass_ids, torch.cat([attention_mask, ones, attention_mask[:, start:]], dim=1)
+
+    def context_passes(self, input_ids, attention_mask, tokenizer) -> list[tuple[torch.Tensor, torch.Tensor | None]]:
+        """Every reconstruction pass: one (`context_pass_inputs`), or with `pass_chunk`, one per
+        chunk of the re-read context, each [prompt, chunk] with a mask over the whole context
+        (the pass's own tokens are never kept, so each sees the context alone)."""
+        pass_ids, pass_mask = self.context_pass_inputs(input_ids, attention_mask, tokenizer)
+        reread = input_ids.shape[1] - self.reread_start
+        if self.pass_chunk == 0 or reread <= self.pass_chunk:
+            return [(pass_ids, pass_mask)]
+        prompt_len = pass_ids.shape[1] - reread
+        prompt = pass_ids[:, :prompt_len]
+        passes = []
+        for begin in range(0, reread, self.pass_chunk):
+            chunk = pass_ids[:, prompt_len + begin : prompt_len + begin + self.pass_chunk]
+            mask = None
+            if attention_mask is not None:
+                context_mask = attention_mask[:, self.reread_start + begin : self.reread_start + begin + chunk.shape[1]]
+                ones = torch.ones_like(prompt, dtype=attention_mask.dtype)
+                mask = torch.cat([attention_mask, ones, context_mask], dim=1)
+            passes.append((torch.cat([prompt, chunk], dim=1), mask))
+        return passes
 
     def _max_attention(self, scoring, queries, first_slot, simulated=False) -> torch.Tensor:
         best = torch.zeros(scoring.valid.shape, dtype=torch.float32, device=scoring.keys.device)

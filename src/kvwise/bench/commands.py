@@ -78,7 +78,7 @@ def add_bench_parsers(workloads) -> None:
         action="store_true",
         help="the long-context grid, into OUT/L4000 and OUT/L8000: full, kvzip and kvzap at 0.9 and 0.95 and "
         "mixes at 0.05 of the bytes at 4000 tokens; full and kvzap+kivi4 at 8000 (with --quick: 3 depths, "
-        "1 trial, no kvzip mix; about 15 minutes on 2 CPU cores)",
+        "1 trial, no kvzip mix)",
     )
     niah.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")
     niah.add_argument("--haystack-dir", default=None, help="a folder of .txt files to use as the haystack")

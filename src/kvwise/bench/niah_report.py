@@ -217,7 +217,8 @@ def plot_niah(report: dict, out_dir: Path) -> None:
         depths = sorted({row["depth"] for row in rows})
 
         def accuracy(ratio, length, depth, rows=rows):
-            return mean(r["correct"] for r in rows if (r["ratio"], r["length"], r["depth"]) == (ratio, length, depth))
+            found = [r["correct"] for r in rows if (r["ratio"], r["length"], r["depth"]) == (ratio, length, depth)]
+            return mean(found) if found else float("nan")  # a cell an interrupted run did not reach
 
         if len(lengths) == 1:
             figure, axis = plt.subplots(figsize=(7, 3.6), layout="constrained")

@@ -7,6 +7,7 @@ names (which must be for these weights), else the user's own from `kvwise calibr
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
@@ -50,3 +51,37 @@ def find_calibrated(
         with resources.as_file(shipped) as local:
             return load(Path(local))
     return None
+
+
+def save_layered(path: str | Path, fingerprint: str, layers: dict, info: dict) -> Path:
+    """Per-layer tensors as safetensors ("layer{i}.{name}", float32), fingerprint and info as metadata."""
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tensors = {
+        f"layer{index}.{name}": tensor.contiguous().float()
+        for index, by_name in layers.items()
+        for name, tensor in by_name.items()
+    }
+    save_file(tensors, str(path), metadata={"fingerprint": fingerprint, "info": json.dumps(info)})
+    return path
+
+
+def load_layered(path: str | Path, what: str) -> tuple[str, dict, dict]:
+    """(fingerprint, layer -> name -> tensor, info) of a `save_layered` file; a ValueError saying
+    `path` is not `what` for a truncated or foreign file."""
+    from safetensors import safe_open
+
+    layers: dict = {}
+    try:
+        with safe_open(str(path), framework="pt") as handle:
+            metadata = handle.metadata() or {}
+            for key in handle.keys():
+                layer, _, name = key.partition(".")
+                layers.setdefault(int(layer.removeprefix("layer")), {})[name] = handle.get_tensor(key)
+    except Exception as error:  # a truncated or foreign file: name it, never guess
+        raise ValueError(f"{path} is not {what}: {error}") from None
+    if "fingerprint" not in metadata:
+        raise ValueError(f"{path} is not {what}: no fingerprint in its metadata")
+    return metadata["fingerprint"], layers, json.loads(metadata.get("info", "{}"))

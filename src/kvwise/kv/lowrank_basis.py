@@ -17,13 +17,12 @@ same for "values".
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvwise.core.calibrated import calibrated_path, find_calibrated
+from kvwise.core.calibrated import calibrated_path, find_calibrated, load_layered, save_layered
 
 SUFFIX = ".lowrank.safetensors"
 ROLES = ("keys", "values")
@@ -59,35 +58,15 @@ class LowRankBasis:
         return torch.cat(means), torch.cat(bases), starts
 
     def save(self, path: str | Path) -> Path:
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            f"layer{index}.{name}": tensor.contiguous().to(torch.float32)
-            for index, tensors in self.layers.items()
-            for name, tensor in tensors.items()
-        }
-        save_file(tensors, str(path), metadata={"fingerprint": self.fingerprint, "info": json.dumps(self.info)})
-        return path
+        return save_layered(path, self.fingerprint, self.layers, self.info)
 
     @classmethod
     def load(cls, path: str | Path) -> LowRankBasis:
-        from safetensors import safe_open
-
-        layers: dict[int, dict[str, torch.Tensor]] = {}
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                metadata = handle.metadata() or {}
-                for key in handle.keys():
-                    layer, _, name = key.partition(".")
-                    layers.setdefault(int(layer.removeprefix("layer")), {})[name] = handle.get_tensor(key)
-        except Exception as error:  # a truncated or foreign file: name it, never guess
-            raise ValueError(f"{path} is not a low-rank basis: {error}") from None
+        fingerprint, layers, info = load_layered(path, "a low-rank basis")
         wanted = {f"{role}.{part}" for role in ROLES for part in ("mean", "basis")}
-        if "fingerprint" not in metadata or not layers or any(set(t) != wanted for t in layers.values()):
-            raise ValueError(f"{path} is not a low-rank basis: it lacks a fingerprint or a layer's tensors")
-        return cls(metadata["fingerprint"], layers, json.loads(metadata.get("info", "{}")))
+        if not layers or any(set(tensors) != wanted for tensors in layers.values()):
+            raise ValueError(f"{path} is not a low-rank basis: a layer lacks its means or bases")
+        return cls(fingerprint, layers, info)
 
 
 def user_basis_path(fingerprint: str) -> Path:

@@ -8,13 +8,12 @@ package. The file is safetensors: per layer, input standardization and one or tw
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from kvwise.core.calibrated import calibrated_path, find_calibrated
+from kvwise.core.calibrated import calibrated_path, find_calibrated, load_layered, save_layered
 
 SUFFIX = ".kvzap.safetensors"
 
@@ -46,35 +45,11 @@ class ScoreSurrogate:
         return out.transpose(1, 2)
 
     def save(self, path: str | Path) -> Path:
-        from safetensors.torch import save_file
-
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tensors = {
-            f"layer{index}.{name}": tensor.contiguous().float()
-            for index, weights in self.layers.items()
-            for name, tensor in weights.items()
-        }
-        metadata = {"fingerprint": self.fingerprint, "info": json.dumps(self.info)}
-        save_file(tensors, str(path), metadata=metadata)
-        return path
+        return save_layered(path, self.fingerprint, self.layers, self.info)
 
     @classmethod
     def load(cls, path: str | Path) -> ScoreSurrogate:
-        from safetensors import safe_open
-
-        layers: dict[int, dict[str, torch.Tensor]] = {}
-        try:
-            with safe_open(str(path), framework="pt") as handle:
-                metadata = handle.metadata() or {}
-                for key in handle.keys():
-                    layer, _, name = key.partition(".")
-                    layers.setdefault(int(layer.removeprefix("layer")), {})[name] = handle.get_tensor(key)
-        except Exception as error:  # a truncated or foreign file: name it, never guess
-            raise ValueError(f"{path} is not a kvzap surrogate: {error}") from None
-        if "fingerprint" not in metadata:
-            raise ValueError(f"{path} is not a kvzap surrogate: no fingerprint in its metadata")
-        return cls(metadata["fingerprint"], layers, json.loads(metadata.get("info", "{}")))
+        return cls(*load_layered(path, "a kvzap surrogate"))
 
 
 def user_surrogate_path(fingerprint: str) -> Path:

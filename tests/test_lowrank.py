@@ -17,7 +17,7 @@ from kvwise.kv.quantizer import make_quantizer
 from kvwise.policies.mix import parse_mix
 from tests.conftest import random_ids
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(300)
 
 
 def random_basis(model, seed: int = 0) -> LowRankBasis:

@@ -77,7 +77,8 @@ def add_bench_parsers(workloads) -> None:
         "--long",
         action="store_true",
         help="the long-context grid, into OUT/L4000 and OUT/L8000: full, kvzip and kvzap at 0.9 and 0.95 and "
-        "mixes at 0.05 of the bytes at 4000 tokens; full and kvzap+kivi4 at 8000 (with --quick: 3 depths, "
+        "mixes at 0.05 of the bytes at 4000 tokens; full, kvzap+kivi4 and chunked kvzip+kivi4 at 8000 "
+        "(--quick: 3 depths, "
         "1 trial, no kvzip mix)",
     )
     niah.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")

@@ -28,14 +28,8 @@ class QuantPages:
         self.block_size, self.dtype = storage.block_size, layer.dtype
         self.pages = QuantizedBlocks(self.quantizer, capacity, self.block_size, 1, layer.shape[-1], layer.device)
         # A page is one head of one layer; a per-head codec (low-rank) needs to know which.
-        self.layer_starts = next(
-            (
-                codec.starts
-                for codec in (self.quantizer.key_codec, self.quantizer.value_codec)
-                if hasattr(codec, "starts")
-            ),
-            None,
-        )
+        # lowrank always projects keys; without bases (not attached) its codec says so on first use
+        self.layer_starts = self.quantizer.key_codec.starts if self.quantizer.needs_heads else None
         per_head = self.layer_starts is not None
         self.page_bases = torch.zeros(capacity, dtype=torch.int32, device=layer.device) if per_head else None
         self.ids = BlockPool(capacity, self.block_size)

@@ -24,7 +24,7 @@ class _CodecPool:
     def __init__(self, codec: Codec, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device):
         codec.check_head_dim(head_dim)
         self.codec, self.block_size, self.num_kv_heads = codec, block_size, num_kv_heads
-        heads = torch.zeros(block_size, dtype=torch.int64, device=device)
+        heads = torch.zeros(block_size, dtype=torch.int64, device=device) if codec.needs_heads else None
         probe = codec.encode_heads(torch.zeros(block_size, head_dim, device=device), self._sizes(1, device), heads)
         self.per_token = {
             name: tensor.new_zeros((num_blocks, num_kv_heads, *tensor.shape))
@@ -38,8 +38,11 @@ class _CodecPool:
     def _sizes(self, num_groups: int, device) -> torch.Tensor:
         return torch.full((num_groups,), self.block_size, dtype=torch.int16, device=device)
 
-    def _heads(self, bases: torch.Tensor | None, n: int, device) -> torch.Tensor:
-        """[n * num_kv_heads * block_size] int64: each row's head (or the `bases` [n, num_kv_heads] given)."""
+    def _heads(self, bases: torch.Tensor | None, n: int, device) -> torch.Tensor | None:
+        """[n * num_kv_heads * block_size] int64: each row's head (or the `bases` [n, num_kv_heads]
+        given); None for codecs that do not ask (the read path of every decode step)."""
+        if not self.codec.needs_heads:
+            return None
         if bases is None:
             bases = torch.arange(self.num_kv_heads, device=device).expand(n, -1)
         return bases.reshape(-1).repeat_interleave(self.block_size)

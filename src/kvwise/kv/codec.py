@@ -108,6 +108,7 @@ class Codec(ABC):
 
     bits: int
     groups_tokens: bool = False  # True when metadata is shared by a run of consecutive tokens
+    needs_heads: bool = False  # True when the code depends on each row's KV head (a per-head basis)
 
     @abstractmethod
     def encode(self, rows: torch.Tensor, group_sizes: torch.Tensor | None = None) -> Encoded:
@@ -123,10 +124,10 @@ class Codec(ABC):
 
     # Stores call these two: they know which KV head each row is of. Codecs whose code depends
     # on the head (a per-head basis) override them; the rest ignore `heads`.
-    def encode_heads(self, rows: torch.Tensor, group_sizes: torch.Tensor | None, heads: torch.Tensor) -> Encoded:
-        """`encode` of rows whose KV heads are `heads` [num_tokens] int64."""
+    def encode_heads(self, rows: torch.Tensor, group_sizes: torch.Tensor | None, heads: torch.Tensor | None) -> Encoded:
+        """`encode` of rows whose KV heads are `heads` [num_tokens] int64 (None unless `needs_heads`)."""
         return self.encode(rows, group_sizes)
 
-    def decode_heads(self, encoded: Encoded, dtype: torch.dtype, heads: torch.Tensor) -> torch.Tensor:
-        """`decode` of rows whose KV heads are `heads` [num_tokens] int64."""
+    def decode_heads(self, encoded: Encoded, dtype: torch.dtype, heads: torch.Tensor | None) -> torch.Tensor:
+        """`decode` of rows whose KV heads are `heads` [num_tokens] int64 (None unless `needs_heads`)."""
         return self.decode(encoded, dtype)

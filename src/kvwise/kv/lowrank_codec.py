@@ -28,7 +28,7 @@ class LowRankCodec(Codec):
             raise ValueError(f"the rank r must be >= 1, got {rank}")
         self.rank, self.inner = rank, inner
         self.mean, self.basis, self.starts = mean, basis, starts
-        self.bits, self.groups_tokens = inner.bits, inner.groups_tokens
+        self.bits, self.groups_tokens, self.needs_heads = inner.bits, inner.groups_tokens, True
         self._on_device: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
     @property

@@ -69,6 +69,11 @@ class Quantizer:
         return f"{self.name} (residual {self.residual_length}, group {self.group_size})"
 
     @property
+    def needs_heads(self) -> bool:
+        """True when a codec must know each row's KV head (stores then work it out)."""
+        return self.key_codec.needs_heads or self.value_codec.needs_heads
+
+    @property
     def needs_model(self) -> bool:
         """True while a codec lacks what only the model can give (a low-rank basis)."""
         return any(isinstance(c, LowRankCodec) and not c.attached for c in (self.key_codec, self.value_codec))

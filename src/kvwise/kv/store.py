@@ -177,8 +177,8 @@ class KVStore:
         counts = [self.sink_lengths.flatten(), *(part.tokens for part in parts), self.residual_lengths.flatten()]
         sizes = [part.keys.num_tokens for part in parts]
         # One decode over every chunk, then per-chunk views: the op count stays flat as chunks grow.
-        heads = torch.cat([self._kv_head_of_rows(part.tokens) for part in parts])
         quantizer = self.quantizer
+        heads = torch.cat([self._kv_head_of_rows(part.tokens) for part in parts]) if quantizer.needs_heads else None
         key_parts = quantizer.key_codec.decode_heads(concat_encoded([p.keys for p in parts]), self.dtype, heads)
         value_parts = quantizer.value_codec.decode_heads(concat_encoded([p.values for p in parts]), self.dtype, heads)
         key_parts, value_parts = key_parts.split(sizes), value_parts.split(sizes)
@@ -311,7 +311,7 @@ class KVStore:
         quantizer, group = self.quantizer, self.quantizer.group_size
         groups_per_head = (counts + group - 1) // group
         group_sizes = self._group_sizes(counts, groups_per_head, group)
-        heads = self._kv_head_of_rows(counts)
+        heads = self._kv_head_of_rows(counts) if quantizer.needs_heads else None
         new_keys = quantizer.key_codec.encode_heads(keys, group_sizes, heads)
         new_values = quantizer.value_codec.encode_heads(values, group_sizes, heads)
         self.quantize_calls += 2 * keys.shape[0]

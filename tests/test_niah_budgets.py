@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvwise.bench.byte_budget import ByteSizer, budget_mix, check_budgets
-from kvwise.bench.niah import NiahConfig
+from kvwise.bench.niah import NiahConfig, policy_options
 from kvwise.bench.niah_report import budget_table, summarize, summarize_budgets
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from tests.conftest import random_ids
@@ -31,6 +31,18 @@ def test_budget_cells_need_mixes_without_ratios_and_the_library():
         NiahConfig(mixes=["kvzip+kivi2"])
     with pytest.raises(ValueError, match="leave out --engine"):
         NiahConfig(budget_bytes=[0.05], engine=True)
+
+
+def test_policies_take_options_and_errors_name_what_was_written():
+    config = NiahConfig(policies=["full", "kvzip:recent_window=32"], ratios=[0.9])
+    assert config.cells() == [("full", 0.0), ("kvzip:recent_window=32", 0.9)]
+    assert policy_options("kvzip:recent_window=32") == ("kvzip", (("recent_window", 32),))
+    with pytest.raises(ValueError, match="unknown component 'kvzop'"):
+        NiahConfig(policies=["kvzop"])
+    with pytest.raises(ValueError, match="has no option bogus"):
+        NiahConfig(policies=["kvzip:bogus=1"])
+    with pytest.raises(ValueError, match="--quant"):
+        NiahConfig(policies=["kvzip+kivi4"])
 
 
 @pytest.mark.parametrize("mix", ["streaming_llm+kivi2", "kvzap+kivi2", "snapkv+int8", "kvzap"])

@@ -44,6 +44,9 @@ def check_budgets(budgets: list[float]) -> list[float]:
     return list(budgets)
 
 
+_PLACEHOLDER = "@0.5"
+
+
 def budget_mix(text: str) -> Mix:
     """A mix for a byte budget: a policy and/or a quantizer, without a ratio (the budget sets it)."""
     parts = [part.strip() for part in str(text).split("+")]
@@ -51,8 +54,12 @@ def budget_mix(text: str) -> Mix:
         raise ValueError(f"mix {text!r}: with --budget-bytes the budget sets the ratio; leave out '@...'")
     fixed = {*quantizer_names(), "kivi", "none", "full"}
     # a placeholder ratio lets the one mix parser check the policy and its options
-    spelled = [part if part.split(":", 1)[0].lower() in fixed else f"{part}@0.5" for part in parts]
-    return dataclasses.replace(parse_mix("+".join(spelled)), ratio=0.0)
+    spelled = [part if part.split(":", 1)[0].lower() in fixed else f"{part}{_PLACEHOLDER}" for part in parts]
+    try:
+        mix = parse_mix("+".join(spelled))
+    except ValueError as error:  # name what the user wrote, not the placeholder
+        raise ValueError(str(error).replace(_PLACEHOLDER, "")) from None
+    return dataclasses.replace(mix, ratio=0.0)
 
 
 @dataclass(frozen=True)

@@ -33,7 +33,6 @@ from kvwise.core.partial import read_partial
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.generation import greedy_continue
 from kvwise.kv.quantizer import make_quantizer
-from kvwise.policies.registry import make_policy
 from kvwise.policies.selection import check_ratio
 
 NUM_NEW_TOKENS = 8
@@ -88,7 +87,7 @@ class NiahConfig:
         if self.mode not in ("agnostic", "aware"):
             raise ValueError(f"mode must be 'agnostic' or 'aware', got {self.mode!r}")
         for name in self.policies:
-            make_policy(name)
+            policy_options(name)
         for ratio in self.ratios:
             check_ratio(ratio)
         if any(length < 16 for length in self.lengths):
@@ -114,13 +113,21 @@ class NiahConfig:
         """(policy, ratio) pairs; `full` runs once, at ratio 0, since it never compresses."""
         pairs = []
         for name in self.policies:
-            ratios = [0.0] if make_policy(name).keeps_everything and name == "full" else self.ratios
+            ratios = [0.0] if name == "full" else self.ratios
             pairs.extend((name, ratio) for ratio in ratios)
         return pairs
 
     def budget_cells(self) -> list[tuple[str, float]]:
         """(mix, budget) pairs of the equal-bytes grid."""
         return [(mix, budget) for budget in self.budget_bytes for mix in self.mixes]
+
+
+def policy_options(spec: str) -> tuple[str, tuple]:
+    """A --policies entry, `kvzip` or with options `kvzip:recent_window=32`: (policy, options)."""
+    mix = budget_mix(spec)
+    if mix.quant is not None:
+        raise ValueError(f"policy {spec!r} names a quantizer: give it with --quant, or as a mix with --budget-bytes")
+    return mix.policy, mix.policy_options
 
 
 def run_trial(
@@ -208,7 +215,8 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
         for name, ratio, budget, trial in work:
             progress.set_postfix(policy=name, ratio=ratio, budget=budget)
             progress.update()
-            policy, quant, options = name, config.quant, ()
+            policy, options = policy_options(name) if budget is None else (name, ())
+            quant = config.quant
             if budget is not None:
                 mix = budget_mix(name)
                 solved = sizer.solve(mix, prompts[trial].context_ids.shape[1], budget)

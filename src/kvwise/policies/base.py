@@ -36,6 +36,8 @@ class Policy(ABC):
     stat_names: ClassVar[tuple[str, ...]] = ()
     # Global scope only: share of the budget kept as the same tokens in every head.
     shared_fraction: ClassVar[float] = 0.0
+    # Global scope only: the context's last tokens, kept in every head within the budget.
+    recent_window: ClassVar[int] = 0
     # True for policies that never evict (full, Quest's page selection at decode time).
     keeps_everything: ClassVar[bool] = False
     # True for policies that score from each layer's input hidden states (`ScoringInput.hidden_states`).

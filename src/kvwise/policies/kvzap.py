@@ -37,11 +37,14 @@ class KVzapPolicy(Policy):
     surrogate_path: str | None = None  # a .kvzap.safetensors file (default: the model's, by fingerprint)
     num_sinks: int = 4
     pool_kernel: int = 1  # max-pool scores over this many neighbouring tokens (odd; 1 = off)
+    recent_window: int = 0  # the context's last tokens, kept in every head (within the budget)
 
     def __post_init__(self):
         self.surrogate: ScoreSurrogate | None = None
         if self.pool_kernel < 1 or self.pool_kernel % 2 == 0:
             raise ValueError(f"pool_kernel must be an odd number >= 1, got {self.pool_kernel}")
+        if self.recent_window < 0:
+            raise ValueError(f"recent_window is a number of tokens >= 0, got {self.recent_window}")
 
     def attach(self, model) -> None:
         """Load the surrogate trained on `model`'s weights; a clear error names how to make one."""

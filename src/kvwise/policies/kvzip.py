@@ -37,6 +37,7 @@ class KVzipPolicy(Policy):
     num_sinks: int = 4
     query_stride: int = 1  # score every n-th reconstruction query (1 = all)
     shared_fraction: float = 0.0  # share of the budget kept as the same tokens in every head
+    recent_window: int = 0  # the context's last tokens, kept in every head (within the budget)
     max_head_share: float = 0.0  # a head keeps at most this many times the mean budget (0 = no cap)
     pool_kernel: int = 1  # max-pool scores over this many neighbouring tokens (odd; 1 = off)
     credit: str = "all"  # self mode: which slots a query's attention credits (all, future, past)
@@ -52,6 +53,8 @@ class KVzipPolicy(Policy):
             raise ValueError(f"reconstruction must be 'self' or 'pass', got {self.reconstruction!r}")
         if self.query_stride < 1 or self.chunk_size < 1:
             raise ValueError("query_stride and chunk_size must be >= 1")
+        if self.recent_window < 0:
+            raise ValueError(f"recent_window is a number of tokens >= 0, got {self.recent_window}")
         if self.pass_chunk < 0:
             raise ValueError(f"pass_chunk is a number of tokens >= 1, or 0 for one pass; got {self.pass_chunk}")
 

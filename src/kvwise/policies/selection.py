@@ -19,6 +19,9 @@ from kvwise.policies.base import PROTECTED, Policy, keep_top_across, keep_top_pe
 from kvwise.policies.scoring_input import ScoringInput
 
 
+_MOST_BUDGET_TO_WINDOW = 0.25  # share of a head's mean budget a recent window may take
+
+
 def check_ratio(ratio: float, name: str = "compression_ratio") -> float:
     """`ratio` as a float in [0, 1) (the fraction of KV removed); ValueError naming `name` otherwise."""
     value = float(ratio)
@@ -72,7 +75,8 @@ def select_across_layers(policy: Policy, ratio: float, scores: torch.Tensor, val
 
     scores, valid: [batch, num_layers, num_heads, seq_len]; every head sees the same tokens, so
     valid[:, 0, 0] counts each entry's tokens. With `policy.shared_fraction`, that share of each
-    head's budget goes to tokens kept in every head (`with_shared_tokens`)."""
+    head's budget goes to tokens kept in every head (`with_shared_tokens`); with
+    `policy.recent_window`, the context's last tokens stay in every head (`with_recent_window`)."""
     batch, num_layers, num_heads, seq_len = valid.shape
     counts = valid[:, 0, 0].sum(dim=-1).tolist()
     per_head = torch.tensor([kept_per_head(count, ratio) for count in counts], device=scores.device)
@@ -80,6 +84,11 @@ def select_across_layers(policy: Policy, ratio: float, scores: torch.Tensor, val
     if policy.shared_fraction > 0:
         num_shared = torch.tensor([round(policy.shared_fraction * kept) for kept in per_head.tolist()])
         scores = with_shared_tokens(scores, valid, num_shared.to(scores.device))
+    if policy.recent_window > 0:
+        # the window never takes more than a share of a head's budget: at the highest ratios the
+        # scores, not the position, must choose most of what stays
+        windows = (per_head * _MOST_BUDGET_TO_WINDOW).long().clamp(max=policy.recent_window)
+        scores = with_recent_window(scores, valid, windows)
     most = int(per_head.max())
     return keep_top_across(
         scores.reshape(batch, num_layers * num_heads, seq_len),
@@ -108,3 +117,21 @@ def with_shared_tokens(scores: torch.Tensor, valid: torch.Tensor, num_shared: to
     everywhere = valid.all(dim=(1, 2))
     chosen = keep_top_per_head(consensus[:, None], everywhere[:, None], num_shared[:, None])[:, 0]
     return scores.masked_fill(chosen[:, None, None, :] & valid, PROTECTED)
+
+
+def with_recent_window(scores: torch.Tensor, valid: torch.Tensor, window: int | torch.Tensor) -> torch.Tensor:
+    """Protect the last `window` valid tokens of every head: the text just before the question.
+
+    A query-agnostic score rates a token by what the context needs of it; the question needs the
+    context's last words too (it continues them), and without them a small model loses the thread
+    and answers from elsewhere, even with the needle kept in every head.
+
+    Args:
+        scores: [..., seq_len]; PROTECTED marks tokens that must stay.
+        valid: [..., seq_len] bool.
+        window: one int, or [batch] tensor (one per batch entry).
+    """
+    if isinstance(window, torch.Tensor):
+        window = window.view(-1, *([1] * (valid.dim() - 1)))
+    from_end = torch.flip(torch.cumsum(torch.flip(valid.int(), dims=[-1]), dim=-1), dims=[-1])
+    return scores.masked_fill(valid & (from_end <= window), PROTECTED)

@@ -18,7 +18,6 @@ import torch
 from kvwise.policies.base import PROTECTED, Policy, keep_top_across, keep_top_per_head, split_budget
 from kvwise.policies.scoring_input import ScoringInput
 
-
 _MOST_BUDGET_TO_WINDOW = 0.25  # share of a head's mean budget a recent window may take
 
 

@@ -72,15 +72,17 @@ def test_kvzap_keeps_the_surrogate_s_best_entries_and_frees_the_rest(llama, surr
     assert cache.nbytes() < 0.4 * full.nbytes()  # real bytes freed
 
 
-def test_kvzap_in_the_engine_with_a_chunked_prefill_keeps_what_the_library_keeps(llama, surrogate_file):
+@pytest.mark.parametrize("window", [0, 8])
+def test_kvzap_in_the_engine_with_a_chunked_prefill_keeps_what_the_library_keeps(llama, surrogate_file, window):
     prompt, ratio = 70, 0.6
     ids = random_ids(1, prompt, seed=11)
-    library = KVWiseCache(llama, "kvzap", ratio, surrogate_path=str(surrogate_file))
+    library = KVWiseCache(llama, "kvzap", ratio, surrogate_path=str(surrogate_file), recent_window=window)
     library.compress_context(ids[:, :-1])
     # a token budget of 16 prefills the prompt in 5 chunks: each chunk's tokens are scored by its own forward
     config = CacheConfig(block_size=4, num_blocks=256, token_budget=16, prefix_caching=False)
     core = EngineCore(llama, None, config)
-    settings = KVSettings("kvzap", ratio=ratio, options={"surrogate_path": str(surrogate_file)})
+    options = {"surrogate_path": str(surrogate_file), "recent_window": window}
+    settings = KVSettings("kvzap", ratio=ratio, options=options)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     request = core.make_request(ids[0].tolist(), params, kv=settings, compress_upto=prompt - 1)
     seen = {}
@@ -94,6 +96,8 @@ def test_kvzap_in_the_engine_with_a_chunked_prefill_keeps_what_the_library_keeps
         for head, library_kept in enumerate(_kept_positions(layer)):
             count = seen["counts"][layer.layer_idx][head]
             assert sorted(seen["positions"][layer.layer_idx][head, :count].tolist()) == library_kept
+            if window:  # 28 kept per head on average, so the window is capped at 7: positions 62-68
+                assert set(range(62, 69)) <= set(library_kept)
 
 
 def test_kvzap_without_a_surrogate_names_the_command_that_trains_one(llama, tmp_path, monkeypatch):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvwise.bench.byte_budget import ByteSizer, budget_mix, check_budgets
+from kvwise.bench.commands import specs
 from kvwise.bench.niah import NiahConfig, policy_options
 from kvwise.bench.niah_report import budget_table, summarize, summarize_budgets
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
@@ -43,6 +44,16 @@ def test_policies_take_options_and_errors_name_what_was_written():
         NiahConfig(policies=["kvzip:bogus=1"])
     with pytest.raises(ValueError, match="--quant"):
         NiahConfig(policies=["kvzip+kivi4"])
+    # on the command line, options after the first continue their policy or mix
+    assert specs("full,kvzip:recent_window=64,pool_kernel=3,kvzap") == [
+        "full",
+        "kvzip:recent_window=64,pool_kernel=3",
+        "kvzap",
+    ]
+    assert specs("kvzip:recent_window=64,pool_kernel=3+kivi4,lowrank:r=32+kivi2") == [
+        "kvzip:recent_window=64,pool_kernel=3+kivi4",
+        "lowrank:r=32+kivi2",
+    ]
 
 
 @pytest.mark.parametrize("mix", ["streaming_llm+kivi2", "kvzap+kivi2", "snapkv+int8", "kvzap"])

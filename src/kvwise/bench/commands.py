@@ -33,11 +33,26 @@ def names(text: str) -> list[str]:
     return [part.strip() for part in text.split(",") if part.strip()]
 
 
+def specs(text: str) -> list[str]:
+    """A comma list of policies or mixes, where a `key=value` part continues the one before it:
+    `full,kvzip:recent_window=64,pool_kernel=3+kivi4` is two specs."""
+    out: list[str] = []
+    for part in names(text):
+        first = part.split("+", 1)[0]
+        if out and "=" in first and ":" not in first:
+            out[-1] += "," + part
+        else:
+            out.append(part)
+    return out
+
+
 def add_bench_parsers(workloads) -> None:
     add_adaptive_parser(workloads)
     add_cluster_parser(workloads)
     niah = workloads.add_parser("niah", help="needle in a haystack under compression")
-    niah.add_argument("--policies", type=names, default=None)
+    niah.add_argument(
+        "--policies", type=specs, default=None, help="policies, with options as in a mix (full,kvzap:recent_window=64)"
+    )
     niah.add_argument("--ratios", type=floats, default=None)
     niah.add_argument("--lengths", type=ints, default=None)
     niah.add_argument("--depths", type=floats, default=None)
@@ -59,7 +74,7 @@ def add_bench_parsers(workloads) -> None:
     )
     niah.add_argument(
         "--mixes",
-        type=names,
+        type=specs,
         default=None,
         help="policy+quantizer mixes for --budget-bytes, without ratios (default: kvzip+kivi2,kvzap+kivi2,...)",
     )

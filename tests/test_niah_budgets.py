@@ -38,7 +38,7 @@ def test_policies_take_options_and_errors_name_what_was_written():
     config = NiahConfig(policies=["full", "kvzip:recent_window=32"], ratios=[0.9])
     assert config.cells() == [("full", 0.0), ("kvzip:recent_window=32", 0.9)]
     assert policy_options("kvzip:recent_window=32") == ("kvzip", (("recent_window", 32),))
-    with pytest.raises(ValueError, match="unknown component 'kvzop'"):
+    with pytest.raises(ValueError, match="unknown policy 'kvzop'"):
         NiahConfig(policies=["kvzop"])
     with pytest.raises(ValueError, match="has no option bogus"):
         NiahConfig(policies=["kvzip:bogus=1"])

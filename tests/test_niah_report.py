@@ -90,8 +90,8 @@ def test_long_runs_one_resumable_grid_per_length(tmp_path, monkeypatch):
         commands._niah(args)
         assert [out.name for _, out in runs] == ["L4000", "L8000"]
         first, second = runs[0][0], runs[1][0]
-        assert first.lengths == [4000] and first.budget_bytes == [0.05] and "kvzip" in first.policies
+        assert first.lengths == [4000] and first.budget_bytes == [0.05] and "kvzip:recent_window=64" in first.policies
         assert second.lengths == [8000] and second.policies == ["full"] and "kvzap+kivi4" in second.mixes
-        assert ("kvzip+kivi4" in first.mixes) == (not flags)
+        assert ("kvzip:recent_window=64+int8" in first.mixes) == (not flags)
         assert ("kvzip:pass_chunk=128+kivi4" in second.mixes) == (not flags)
         assert (first.trials_per_depth, len(first.depths)) == ((1, 3) if flags else (2, 5))

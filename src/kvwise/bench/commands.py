@@ -91,10 +91,9 @@ def add_bench_parsers(workloads) -> None:
     niah.add_argument(
         "--long",
         action="store_true",
-        help="the long-context grid, into OUT/L4000 and OUT/L8000: full, kvzip and kvzap at 0.9 and 0.95 and "
-        "mixes at 0.05 of the bytes at 4000 tokens; full, kvzap+kivi4 and chunked kvzip+kivi4 at 8000 "
-        "(--quick: 3 depths, "
-        "1 trial, no kvzip mix)",
+        help="the long-context grid, into OUT/L4000 and OUT/L8000: full, and kvzip and kvzap with a 64-token "
+        "recent window at 0.9 and 0.95 and mixed with int8 and kivi4 at 0.05 of the bytes, at 4000 tokens; "
+        "full, kvzap+kivi4 and chunked kvzip+kivi4 at 8000 (--quick: 3 depths, 1 trial, no kvzip mix)",
     )
     niah.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")
     niah.add_argument("--haystack-dir", default=None, help="a folder of .txt files to use as the haystack")

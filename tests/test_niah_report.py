@@ -95,3 +95,4 @@ def test_long_runs_one_resumable_grid_per_length(tmp_path, monkeypatch):
         assert ("kvzip:recent_window=64+int8" in first.mixes) == (not flags)
         assert ("kvzip:pass_chunk=128+kivi4" in second.mixes) == (not flags)
         assert (first.trials_per_depth, len(first.depths)) == ((1, 3) if flags else (2, 5))
+        assert first.ratios == ([0.9] if flags else [0.9, 0.95])

@@ -4,6 +4,7 @@ prefix tree stand-in, the ingress's block names against the engine's own, metric
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -74,6 +75,26 @@ def test_what_the_router_sent_counts_before_any_report_and_finishing_frees_the_l
     assert directory.load("b") == 0
     directory.forget("b")
     assert directory.match("b", [7]) == {DEVICE: 0, HOST: 0, SHARED: 0}
+
+
+def test_a_report_older_than_the_routers_news_of_a_finished_request_no_longer_counts_its_load():
+    # a sequential client: the report was taken while the request ran, then the request finished;
+    # until the next report, the replica holding the prefix must not look busy with it
+    directory = PrefixDirectory(block_size=4)
+    blocks = list(range(30))
+    directory.routed("a", "r1", blocks, uncached_tokens=128)
+    directory.report("a", {DEVICE: blocks, "queued_prefill_tokens": 128, "running": 1, "reported_at": time.time()})
+    directory.report("b", {"published": blocks, "reported_at": time.time()})  # b restores from Redis
+    assert directory.rank(["a", "b"], blocks, 128)[0].replica == "b"  # a is busy with r1's prefill
+    directory.answering("a", "r1")
+    assert directory.queued_tokens("a") == 0 and directory.load("a") == 1  # decoding: still in flight
+    directory.completed("a", "r1")
+    directory.completed("a", "r1")  # Ray's late word of the same request changes nothing
+    ranking = directory.rank(["a", "b"], blocks, 128)
+    assert ranking[0].replica == "a" and ranking[0].cost == 8  # its own device holds all 30 blocks
+    assert directory.load("a") == 0
+    directory.report("a", {DEVICE: blocks, "running": 1, "reported_at": time.time()})  # a newer report counts
+    assert directory.load("a") == 1
 
 
 def test_the_text_tree_matches_by_characters_and_prefers_the_replica_holding_least():

@@ -71,18 +71,21 @@ class Ingress:
                 if attempt + 1 < self.max_attempts:
                     self.counters.rerouted += 1
                 continue
+            router = self.router_lookup()
+            if router is not None:
+                router.answering(start["replica"], routed.request_id)
             headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in start["headers"]}
             headers.pop("content-length", None)
             headers[REPLICA_HEADER] = start["replica"]
             streaming = headers.get("content-type", "").startswith("text/event-stream")
             return StreamingResponse(
-                self._relay(stream, streaming),
+                self._relay(stream, streaming, start["replica"], routed.request_id),
                 status_code=start["status"],
                 headers=headers,
             )
         raise OpenAIError(503, "no replica could answer this request; retry shortly", code="replica_lost")
 
-    async def _relay(self, stream, streaming: bool):
+    async def _relay(self, stream, streaming: bool, replica: str, request_id: str):
         import ray.exceptions
 
         try:
@@ -97,6 +100,9 @@ class Ingress:
                 yield f"data: {json.dumps(lost.body())}\n\n".encode()
         finally:  # the client left, or the response ended: the replica stops generating for nobody
             stream.cancel()
+            router = self.router_lookup()
+            if router is not None:
+                router.finished(replica, request_id)
 
     def _sent_to(self, routed: RoutedRequest) -> str | None:
         router = self.router_lookup()

@@ -70,8 +70,12 @@ class PrefixDirectory:
         self.reports: dict[str, ReplicaReport] = {}
         self.shared: set[int] = set()  # blocks on the shared tier (Redis), which every replica reads
         self._routed: dict[str, dict[int, float]] = {}  # replica -> block -> when the router sent it there
-        # replica -> request id -> (uncached prefill tokens, wall time it was sent)
-        self._in_flight: dict[str, dict[str, tuple[int, float]]] = {}
+        # replica -> request id -> (uncached prefill tokens still to compute, wall time it was sent,
+        # whether the replica has started answering it)
+        self._in_flight: dict[str, dict[str, tuple[int, float, bool]]] = {}
+        # replica -> wall time of the router's latest news of a request there (answered, finished):
+        # a report older than that no longer describes the replica's queue
+        self._heard_from: dict[str, float] = {}
 
     # ---- what the replicas and the router learn -------------------------------------------------
     def report(self, replica: str, stats: dict | None) -> None:
@@ -88,15 +92,25 @@ class PrefixDirectory:
         self.reports.pop(replica, None)
         self._routed.pop(replica, None)
         self._in_flight.pop(replica, None)
+        self._heard_from.pop(replica, None)
 
     def routed(self, replica: str, request_id: str, blocks: Sequence[int], uncached_tokens: int) -> None:
         """The router sent a request there: its blocks will be on that device (before any report)."""
         now = time.monotonic()
         self._routed.setdefault(replica, {}).update(dict.fromkeys(blocks, now))
-        self._in_flight.setdefault(replica, {})[request_id] = (uncached_tokens, time.time())
+        self._in_flight.setdefault(replica, {})[request_id] = (uncached_tokens, time.time(), False)
+
+    def answering(self, replica: str, request_id: str) -> None:
+        """The replica started answering the request: its prefill is done, its decode goes on."""
+        in_flight = self._in_flight.get(replica, {})
+        if request_id in in_flight:
+            in_flight[request_id] = (0, in_flight[request_id][1], True)
+            self._heard_from[replica] = time.time()
 
     def completed(self, replica: str, request_id: str) -> None:
-        self._in_flight.get(replica, {}).pop(request_id, None)
+        """The request finished there (told by whoever hears first; a second telling is a no-op)."""
+        if self._in_flight.get(replica, {}).pop(request_id, None) is not None:
+            self._heard_from[replica] = time.time()
 
     # ---- the decision ---------------------------------------------------------------------------
     def match(self, replica: str, blocks: Sequence[int]) -> dict[str, int]:
@@ -141,7 +155,7 @@ class PrefixDirectory:
     def load(self, replica: str) -> int:
         """Requests in flight there: what the router sent and has not seen finish, or what the
         replica reported, whichever is more."""
-        report = self.reports.get(replica, ReplicaReport())
+        report = self._load_report(replica)
         return max(len(self._in_flight.get(replica, {})), report.running + report.waiting)
 
     def held(self, replica: str) -> int:
@@ -153,14 +167,22 @@ class PrefixDirectory:
         """Prefill tokens ahead of a new request there: what the replica last reported queued, plus
         what the router sent it since (a request already prefilled no longer counts, though it
         is still in flight)."""
-        report = self.reports.get(replica, ReplicaReport())
+        report = self._load_report(replica)
         sent_since = sum(
-            tokens for tokens, sent in self._in_flight.get(replica, {}).values() if sent >= report.reported_at
+            tokens for tokens, sent, _ in self._in_flight.get(replica, {}).values() if sent >= report.reported_at
         )
         return float(report.queued_prefill_tokens + sent_since)
 
     def _decode(self, replica: str) -> float:
-        return self.decode_weight * self.reports.get(replica, ReplicaReport()).running
+        decoding = sum(answered for _, _, answered in self._in_flight.get(replica, {}).values())
+        return self.decode_weight * max(self._load_report(replica).running, decoding)
+
+    def _load_report(self, replica: str) -> ReplicaReport:
+        """The replica's last report as a measure of its load. One made before the router's latest
+        news from the replica (a request there answered or finished since) still counts what is
+        gone, so the router's own count of what it sent stands alone until the next report."""
+        report = self.reports.get(replica, ReplicaReport())
+        return ReplicaReport() if report.reported_at < self._heard_from.get(replica, 0.0) else report
 
     def _fresh_routed(self, replica: str) -> dict[int, float]:
         routed = self._routed.get(replica, {})

@@ -72,6 +72,7 @@ class EngineReplica:
 
     # ---- Ray Serve's routing stats ---------------------------------------------------------------
     def record_routing_stats(self) -> dict:
+        reported_at = time.time()  # before reading the state: the report speaks for that moment on
         kv = self.core.kv
         device = [short_key(key) for key in kv.tree.keys()] if kv.tree is not None else []
         host, published, restore = [], [], {}
@@ -93,7 +94,7 @@ class EngineReplica:
             "running": len(running),
             "waiting": self.engine.queue_depth,
             "restore_cost": restore,
-            "reported_at": time.time(),
+            "reported_at": reported_at,
         }
 
     def _settled(self, request) -> int:

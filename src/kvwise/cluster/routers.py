@@ -54,6 +54,12 @@ class _Controls:
         kept = [r for r in candidates if r.replica_id.to_full_id_str() not in routed.avoid]
         return kept or candidates, False
 
+    def answering(self, replica: str, request_id: str) -> None:
+        """The ingress has the replica's first message for the request: its prefill is done."""
+
+    def finished(self, replica: str, request_id: str) -> None:
+        """The ingress relayed the request's whole response (Ray tells the router a moment later)."""
+
     def _note_sent(self, pending: PendingRequest, replica_id: ReplicaID) -> None:
         routed = routed_request(pending)
         if routed is not None:
@@ -92,6 +98,12 @@ class KVWiseRouter(_Controls, FIFOMixin, RequestRouter):
         internal = pending_request.metadata.internal_request_id
         self._request_of[internal] = routed.request_id
         self.directory.routed(replica, routed.request_id, routed.blocks, uncached)
+
+    def answering(self, replica: str, request_id: str) -> None:
+        self.directory.answering(replica, request_id)
+
+    def finished(self, replica: str, request_id: str) -> None:
+        self.directory.completed(replica, request_id)
 
     def on_request_completed(self, replica_id: ReplicaID, internal_request_id: str) -> None:
         request_id = self._request_of.pop(internal_request_id, None)

@@ -22,6 +22,7 @@ def test_the_issue_examples_parse():
         ("kvzip@0.9+kivi4", "kivi4+kvzip@0.9", "KVZIP@0.90+kivi4:sink_tokens=1", "kvzip:0.9+kivi4:"),
         ("h2o@max=1024", "h2o:1024", " h2o @max=1024 "),
         ("snapkv:window_size=32@0.5", "snapkv:window_size=32@0.50"),
+        ("kvzip:recent_window=64,pass_chunk=128@0.9", "kvzip:pass_chunk=128:recent_window=64@0.9"),
     ],
 )
 def test_every_spelling_of_a_mix_has_one_spec(spellings):
@@ -41,6 +42,7 @@ def test_every_spelling_of_a_mix_has_one_spec(spellings):
         ("kvzip@lots", "'kvzip@lots': expected @RATIO"),
         ("kvzip", "'kvzip': give a ratio"),
         ("snapkv:windw=32@0.5", "has no option windw"),
+        ("kvzip:recent_window=many@0.9", "policy 'kvzip': recent_window takes a number, got 'many'"),
         ("kivi4:group_size=7", "'kivi4:group_size=7'"),
         ("kivi4@0.5", "a quantizer takes no ratio"),
         ("snapkv@0.5+h2o@0.5", "names two policies"),

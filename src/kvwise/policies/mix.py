@@ -9,9 +9,9 @@
 
 Components are joined by `+`: at most one policy (with `@RATIO`, the fraction of KV removed in
 [0, 1), or `@max=N`, a cap in tokens per head) and at most one quantizer (a `lowrank` stage
-followed by its inner quantizer counts as one); options follow a
-colon as `key=value` pairs separated by commas. `policy:0.9` and `policy:1024` are read as
-`policy@0.9` and `policy@max=1024`. Every error names the component at fault.
+followed by its inner quantizer counts as one); options follow a colon as `key=value` pairs
+separated by commas (or colons, as quantizer specs spell them). `policy:0.9` and `policy:1024`
+are read as `policy@0.9` and `policy@max=1024`. Every error names the component at fault.
 `Mix.spec` is the one canonical spelling: equal mixes have equal specs, so a spec can key a
 pool or a cached entry.
 """
@@ -108,7 +108,7 @@ def _policy(component: str, name: str) -> dict:
     options = {}
     if colon and not at and _is_number(options_text):  # `h2o:1024`, `kvzip:0.9`: the short form
         budget, options_text = options_text, ""
-    for item in filter(None, (part.strip() for part in options_text.split(","))):
+    for item in filter(None, (part.strip() for part in options_text.replace(":", ",").split(","))):
         key, equals, value = item.partition("=")
         if not equals or not key.strip():
             raise ValueError(f"{component!r}: policy options are key=value pairs separated by commas, got {item!r}")

@@ -65,4 +65,16 @@ def make_policy(name: str, **kwargs) -> Policy:
     if unknown:
         options = ", ".join(sorted(fields)) or "none"
         raise ValueError(f"policy {name!r} has no option {', '.join(unknown)}; its options are: {options}")
+    defaults = {field.name: field.default for field in dataclasses.fields(cls)}
+    for option, value in kwargs.items():
+        _check_kind(name, option, defaults[option], value)
     return cls(**kwargs)
+
+
+def _check_kind(policy: str, option: str, default, value) -> None:
+    """A value of the option's kind, judged by its default (options without one are the class's to check)."""
+    if isinstance(default, bool):
+        if not isinstance(value, bool):
+            raise ValueError(f"policy {policy!r}: {option} takes true or false, got {value!r}")
+    elif isinstance(default, (int, float)) and (isinstance(value, bool) or not isinstance(value, (int, float))):
+        raise ValueError(f"policy {policy!r}: {option} takes a number, got {value!r}")

@@ -39,6 +39,14 @@ def test_summary_counts_and_ratios():
     assert rows[("snapkv", 0.9)]["correct"] == 1 and rows[("snapkv", 0.9)]["kv_fraction"] == 0.1
     table = markdown_table(fake_report())
     assert "| snapkv | 1/2, kv 0.100, 1.00s (0.50x) |" in table
+    assert "| policy | 0.9 |" in table
+
+
+def test_a_full_only_table_names_its_column_uncompressed():
+    report = fake_report()
+    report["results"] = [row for row in report["results"] if row["policy"] == "full"]
+    table = markdown_table(report)
+    assert "| policy | uncompressed |" in table and "| full | 2/2, kv 1.000, 2.00s (1.00x) |" in table
 
 
 def test_report_files_are_written(tmp_path):

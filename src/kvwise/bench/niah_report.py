@@ -26,7 +26,9 @@ def markdown_table(report: dict) -> str:
     summary = summarize(report["results"])
     full_seconds = [row["seconds"] for row in summary if row["policy"] == "full"]
     baseline = full_seconds[0] if full_seconds else None
-    ratios = sorted({row["ratio"] for row in summary if row["policy"] != "full"}) or [0.0]  # full alone: one column
+    ratios = sorted({row["ratio"] for row in summary if row["policy"] != "full"})
+    headers = [f"{ratio}" for ratio in ratios] or ["uncompressed"]
+    ratios = ratios or [0.0]  # full alone: one column, which no ratio names
     policies = list(dict.fromkeys(row["policy"] for row in summary))
     by_cell = {(row["policy"], row["ratio"]): row for row in summary}
     config, system = report["config"], report["system"]
@@ -42,7 +44,7 @@ def markdown_table(report: dict) -> str:
         "s = median seconds per trial, cells interleaved trial by trial (x = against `full` in this run); "
         "peak = the most memory a trial needed above what the process held before it.",
         "",
-        "| policy | " + " | ".join(f"{ratio}" for ratio in ratios) + " |",
+        "| policy | " + " | ".join(headers) + " |",
         "|---|" + "---|" * len(ratios),
     ]
     for policy in policies:

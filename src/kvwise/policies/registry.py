@@ -60,12 +60,11 @@ def make_policy(name: str, **kwargs) -> Policy:
     if name not in classes:
         raise ValueError(f"unknown policy {name!r}; choose one of: {', '.join(classes)}")
     cls = classes[name]
-    fields = {field.name for field in dataclasses.fields(cls)}
-    unknown = sorted(set(kwargs) - fields)
-    if unknown:
-        options = ", ".join(sorted(fields)) or "none"
-        raise ValueError(f"policy {name!r} has no option {', '.join(unknown)}; its options are: {options}")
     defaults = {field.name: field.default for field in dataclasses.fields(cls)}
+    unknown = sorted(set(kwargs) - defaults.keys())
+    if unknown:
+        options = ", ".join(sorted(defaults)) or "none"
+        raise ValueError(f"policy {name!r} has no option {', '.join(unknown)}; its options are: {options}")
     for option, value in kwargs.items():
         _check_kind(name, option, defaults[option], value)
     return cls(**kwargs)

@@ -164,8 +164,8 @@ QUANTIZERS = ["kivi2", "kivi4", "int8", "fp8"]
 @pytest.mark.parametrize("policy", EVICTING)
 def test_every_policy_composes_with_every_quantizer(llama, policy, quant):
     """Evict, then quantize what is kept: the region's pages are quantized, and hold fewer bytes
-    than the same region in the model's dtype."""
-    ids = random_ids(1, 45, seed=11)[0].tolist()
+    than the same tokens in the model's dtype (outputs against the library: test_mix_parity)."""
+    ids = random_ids(1, 200, seed=11)[0].tolist()
     core = _engine(llama, token_budget=64)
     settings = KVSettings(policy, ratio=0.5, max_kv_tokens=24 if policy in ("h2o", "snapkv") else None, quant=quant)
     request = core.make_request(ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), kv=settings)
@@ -176,10 +176,12 @@ def test_every_policy_composes_with_every_quantizer(llama, policy, quant):
         region = request.region
         if region is not None and not request.done:
             assert region.quant is not None and region.quant.name == core.kv.quantized_pages[settings.quant].name
-            float_bytes = region.num_pages * core.kv.head_pages.page_bytes
+            row_bytes = core.kv.head_pages.page_bytes // core.kv.head_pages.page_tokens
+            float_bytes = sum(map(sum, region.counts)) * row_bytes
             quantized.append(region.nbytes / float_bytes)
     assert len(request.output) == 12 and quantized
-    assert max(quantized) < (0.6 if quant in ("int8", "fp8") else 0.35)
+    # under 0.5: KIVI pages are one 32-token group, a head capped at 24 tokens pads a third of one
+    assert max(quantized) < (0.6 if quant in ("int8", "fp8") else 0.5)
     assert core.kv.head_pages.used_pages == 0 and core.kv.pool.stats().used == 0
     assert core.kv.quantized_pages[settings.quant].used_bytes() == 0
 

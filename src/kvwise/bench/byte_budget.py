@@ -90,12 +90,17 @@ class ByteSizer:
             self._coefficients[quant] = (held[0] - per_token * kept[0], per_token)
         return self._coefficients[quant]
 
-    def solve(self, mix: Mix, num_tokens: int, budget: float) -> Solved:
-        """The ratio at which `mix` holds `budget` of a 16-bit full cache of `num_tokens` tokens."""
+    def solve(self, mix: Mix, num_tokens: int, budget: float, page_tokens: int = 1) -> Solved:
+        """The ratio at which `mix` holds `budget` of a 16-bit full cache of `num_tokens` tokens.
+
+        page_tokens: the tokens of one head in one page of the path's store; a head's last page
+        is padded, on average by half a page, which the budget pays for (1: the library's cache,
+        which pads nothing)."""
         # KIVI rounds groups per head, and a global selection spreads tokens unevenly over heads:
         # aim a hair under the budget so the bytes really held stay within it
         allowed = budget * full_kv_bytes(self.model, num_tokens, 2) * (1 - MARGIN)
         fixed, per_token = self.coefficients(mix.quant)
+        fixed += (page_tokens - 1) / 2 * per_token
         if fixed + per_token * num_tokens <= allowed:
             return Solved(0.0)  # no eviction needed
         if mix.policy == "full":

@@ -63,7 +63,13 @@ def add_bench_parsers(workloads) -> None:
     niah.add_argument(
         "--engine",
         action="store_true",
-        help="run the trials through the serving engine (kvwise.LLM), bytes from its pool",
+        help="run the trials through the serving engine (kvwise.LLM), bytes from its pool (= --paths engine)",
+    )
+    niah.add_argument(
+        "--paths",
+        type=names,
+        default=None,
+        help="library, engine, or library,engine: both in one report, cells interleaved trial by trial",
     )
     niah.add_argument(
         "--budget-bytes",
@@ -368,7 +374,8 @@ def _niah(args) -> None:
 
     grids = LONG_GRIDS if args.long else ({},)
     for grid in grids:
-        config = NiahConfig(mode=args.mode, model=args.model, seed=args.seed, quant=args.quant, engine=args.engine)
+        paths = args.paths or (["engine"] if args.engine else ["library"])
+        config = NiahConfig(mode=args.mode, model=args.model, seed=args.seed, quant=args.quant, paths=paths)
         for option, value in grid.items():
             setattr(config, option, list(value))
         if args.quick:

@@ -37,6 +37,7 @@ from kvwise.policies.registry import make_policy
 from kvwise.policies.selection import check_ratio
 
 NUM_NEW_TOKENS = 8
+PATHS = ("library", "engine")
 
 log = logging.getLogger("kvwise.bench")
 
@@ -78,7 +79,9 @@ class NiahConfig:
     question: str = DEFAULT_QUESTION
     answer_prefix: str = DEFAULT_ANSWER_PREFIX
     quant: str | None = None  # a quantizer for every cell: evict with the policy, then quantize
-    engine: bool = False  # through the serving engine (kvwise.LLM) instead of the library's cache
+    # where the trials run: "library" (KVWiseCache), "engine" (the serving engine, kvwise.LLM), or
+    # both, cells interleaved trial by trial
+    paths: list[str] = field(default_factory=lambda: ["library"])
     # equal-bytes cells: each mix at the ratio that holds each budget (a fraction of a 16-bit full cache)
     budget_bytes: list[float] = field(default_factory=list)
     mixes: list[str] = field(default_factory=list)
@@ -106,8 +109,9 @@ class NiahConfig:
             self.mixes = list(DEFAULT_BUDGET_MIXES)
         if self.mixes and not self.budget_bytes:
             raise ValueError("--mixes runs each mix at the ratio that holds a byte budget: give --budget-bytes too")
-        if self.budget_bytes and self.engine:
-            raise ValueError("--budget-bytes runs through the library cache; leave out --engine")
+        unknown = [path for path in self.paths if path not in PATHS]
+        if unknown or not self.paths or len(set(self.paths)) < len(self.paths):
+            raise ValueError(f"--paths takes one or both of {', '.join(PATHS)}, each once; got {','.join(self.paths)}")
         for mix in self.mixes:
             budget_mix(mix)
 
@@ -184,20 +188,7 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
     prompts = {trial: builder.build(trial) for trial in trials}
     longest = max(p.context_ids.shape[1] + p.question_ids.shape[1] for p in prompts.values()) + NUM_NEW_TOKENS
     KVWiseCache(model).check_length(longest)  # fail before any trial runs, naming the maximum
-    if config.engine:
-        from kvwise.bench.niah_engine import engine_for, run_engine_trial
-
-        llm = engine_for(model, tokenizer, longest)
-
-        def trial_runner(prompt, name, ratio, mode, quant=None, options=()):
-            measured = run_engine_trial(llm, prompt, name, ratio, mode, NUM_NEW_TOKENS, quant)
-            measured["full_kv_bytes"] = full_kv_bytes(model, measured["compressed_tokens"], model.dtype.itemsize)
-            measured["full16_kv_bytes"] = full_kv_bytes(model, measured["compressed_tokens"], 2)
-            return measured
-    else:
-
-        def trial_runner(prompt, name, ratio, mode, quant=None, options=()):
-            return run_trial(model, tokenizer, prompt, name, ratio, mode, quant, options)
+    runners = {path: _trial_runner(path, model, tokenizer, longest) for path in config.paths}
 
     out_dir.mkdir(parents=True, exist_ok=True)
     partial_path = out_dir / "niah.partial.jsonl"
@@ -208,29 +199,36 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
     # machine load (reported as medians), and an interrupted run has every cell's first trials
     cells = [(name, ratio, None) for name, ratio in config.cells()]
     cells += [(mix, None, budget) for mix, budget in config.budget_cells()]
-    work = [(name, ratio, budget, trial) for trial in trials for name, ratio, budget in cells]
+    work = [(*cell, trial, path) for trial in trials for cell in cells for path in config.paths]
     sizer, skipped, order = ByteSizer(model), {}, []
     # Warm-up: the first forward pays one-time costs that would bias the first trial.
-    trial_runner(prompts[trials[0]], "full", 0.0, config.mode)
+    for runner in runners.values():
+        runner(prompts[trials[0]], "full", 0.0, config.mode)
     with partial_path.open("a") as partial, tqdm(total=len(work), desc="niah", unit="trial") as progress:
         if not done:
             partial.write(json.dumps({"config": asdict(config)}) + "\n")
-        for name, ratio, budget, trial in work:
-            progress.set_postfix(policy=name, ratio=ratio, budget=budget)
+        for name, ratio, budget, trial, path in work:
+            progress.set_postfix(path=path, policy=name, ratio=ratio, budget=budget)
             progress.update()
+            runner = runners[path]
             policy, options = policy_options(name) if budget is None else (name, ())
             quant = config.quant
             if budget is not None:
                 mix = budget_mix(name)
-                solved = sizer.solve(mix, prompts[trial].context_ids.shape[1], budget)
+                num_tokens = prompts[trial].context_ids.shape[1]
+                solved = sizer.solve(mix, num_tokens, budget, runner.page_tokens(mix.quant))
                 if solved.ratio is None:
-                    skipped[(name, budget)] = solved.note
+                    skipped[(name, budget, None, path)] = solved.note
                     continue
                 policy, ratio, quant, options = mix.policy, round(solved.ratio, 6), mix.quant, mix.policy_options
-            key = row_key({"policy": name, "ratio": ratio, "budget": budget, **_trial_fields(trial)})
+            refused = runner.refuses(policy, ratio, quant, options)
+            if refused:
+                skipped[(name, budget, None if budget is not None else ratio, path)] = refused
+                continue
+            key = row_key({"policy": name, "ratio": ratio, "budget": budget, "path": path, **_trial_fields(trial)})
             order.append(key)
             if key not in done:
-                measured = trial_runner(prompts[trial], policy, ratio, config.mode, quant, options)
+                measured = runner(prompts[trial], policy, ratio, config.mode, quant, options)
                 row = {
                     "policy": name,
                     "ratio": ratio,
@@ -239,7 +237,8 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
                     "key": trial.key,
                     "mode": config.mode,
                     "quant": quant,
-                    "engine": config.engine,
+                    "path": path,
+                    "engine": path == "engine",
                     "correct": str(trial.key) in measured["answer"],
                     **measured,
                 }
@@ -269,7 +268,10 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
         "prompt_format": builder.prompt_format,
         "system": system_info(model.device),
         "results": results,
-        "skipped": [{"mix": mix, "budget": budget, "why": why} for (mix, budget), why in skipped.items()],
+        "skipped": [
+            {"mix": mix, "budget": budget, "ratio": ratio, "path": path, "why": why}
+            for (mix, budget, ratio, path), why in skipped.items()
+        ],
         "compare_error": compare_error,
     }
     (out_dir / "niah.json").write_text(json.dumps(report, indent=1))
@@ -294,9 +296,35 @@ def _load_partial(path: Path, config: NiahConfig) -> dict:
 
 
 def row_key(row: dict) -> tuple:
-    """A result row's cell and trial; equal-bytes rows are keyed by their budget, not the ratio it set."""
+    """A result row's path, cell and trial; equal-bytes rows are keyed by their budget, not the
+    ratio it set."""
     cell = row["ratio"] if row.get("budget") is None else f"budget={row['budget']}"
-    return (row["policy"], cell, row["length"], row["depth"], row["trial"])
+    path = row.get("path", "engine" if row.get("engine") else "library")
+    return (path, row["policy"], cell, row["length"], row["depth"], row["trial"])
+
+
+def _trial_runner(path: str, model, tokenizer, longest: int):
+    if path == "engine":
+        from kvwise.bench.niah_engine import EngineTrials
+
+        return EngineTrials(model, tokenizer, longest)
+    return LibraryTrials(model, tokenizer)
+
+
+class LibraryTrials:
+    """Trials through the library's cache (`KVWiseCache`)."""
+
+    def __init__(self, model, tokenizer):
+        self.model, self.tokenizer = model, tokenizer
+
+    def page_tokens(self, quant: str | None) -> int:
+        return 1  # the library holds each head's tokens exactly: nothing pads them
+
+    def refuses(self, policy, ratio, quant, options) -> str | None:
+        return None
+
+    def __call__(self, prompt, name, ratio, mode, quant=None, options=()) -> dict:
+        return run_trial(self.model, self.tokenizer, prompt, name, ratio, mode, quant, options)
 
 
 def _trial_fields(trial) -> dict:

@@ -1,9 +1,10 @@
-"""`kvwise bench niah --engine`: the same needle trials through the serving engine (`kvwise.LLM`).
+"""`kvwise bench niah --paths engine`: the same needle trials through the serving engine (`kvwise.LLM`).
 
 The context is compressed once, query-agnostically (`compress_upto`: the question is read after
 the compression), or with the question (`--mode aware`: all but the last prompt token, as the
-library path's aware mode). `kv_bytes` is what the request really holds in the engine's pool
-right after compression: its head pages and any blocks, not a mask.
+library path's aware mode). Policy options travel with the policy (`kvzip:recent_window=64`).
+`kv_bytes` is what the request really holds in the engine's pool right after compression: its
+head pages (or quantized pages and sinks) and any blocks, not a mask.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from kvwise.engine.config import CacheConfig
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.llm import LLM
 from kvwise.engine.sampling import SamplingParams
+from kvwise.kv.quantizer import make_quantizer
+from kvwise.kv.stored_form import StoredForm
 from kvwise.policies.registry import make_policy
 
 BLOCK_SIZE = 16
@@ -27,13 +30,40 @@ def engine_for(model, tokenizer, longest: int) -> LLM:
     return LLM(model=model, tokenizer=tokenizer, cache_config=config)
 
 
-def run_engine_trial(llm: LLM, prompt, policy: str, ratio: float, mode: str, new_tokens: int, quant=None) -> dict:
+class EngineTrials:
+    """Trials through one engine (`engine_for`), for `run_niah`."""
+
+    def __init__(self, model, tokenizer, longest: int, new_tokens: int = 8):
+        self.llm, self.new_tokens = engine_for(model, tokenizer, longest), new_tokens
+
+    def page_tokens(self, quant: str | None) -> int:
+        """Tokens of one head in one page of what a compressed context is held in: a head's last
+        page is padded (half a page per head on average, which a byte budget pays for)."""
+        if quant is None:
+            return self.llm.engine.kv.head_pages.page_tokens
+        return StoredForm.of(make_quantizer(quant)).page_tokens(BLOCK_SIZE)
+
+    def refuses(self, policy: str, ratio: float, quant, options) -> str | None:
+        """Why the engine does not run this cell (one line), or None."""
+        try:
+            KVSettings(policy, ratio=ratio, quant=quant, options=dict(options))
+        except ValueError as error:
+            return str(error)
+        return None
+
+    def __call__(self, prompt, name, ratio, mode, quant=None, options=()) -> dict:
+        return run_engine_trial(self.llm, prompt, name, ratio, mode, self.new_tokens, quant, options)
+
+
+def run_engine_trial(
+    llm: LLM, prompt, policy: str, ratio: float, mode: str, new_tokens: int, quant=None, options=()
+) -> dict:
     """One trial through `llm`: compress, ask, decode greedily. Returns the measured fields."""
     context = prompt.context_ids[0].tolist()
     whole = context + prompt.question_ids[0].tolist()
     upto = len(context) if mode == "agnostic" else len(whole) - 1
     evicts = not make_policy(policy).keeps_everything and ratio > 0
-    settings = KVSettings(policy, ratio=ratio, quant=quant) if evicts or quant else None
+    settings = KVSettings(policy, ratio=ratio, quant=quant, options=dict(options)) if evicts or quant else None
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     started = time.perf_counter()
     output = llm.generate([whole], params, use_tqdm=False, kv=settings, compress_upto=upto if evicts else None)[0]

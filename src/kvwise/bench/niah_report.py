@@ -22,11 +22,26 @@ def summarize(results: list[dict]) -> list[dict]:
     return summary
 
 
+def by_path(report: dict) -> dict:
+    """The report with each row's policy named after its path (`engine:kvzip+kivi4`) when the
+    run went through more than one path, so the tables and plots keep them apart."""
+    paths = {row.get("path", "engine" if row.get("engine") else "library") for row in report["results"]}
+    if len(paths) < 2:
+        return report
+    results = [{**row, "policy": f"{row['path']}:{row['policy']}"} for row in report["results"]]
+    skipped = [{**row, "mix": f"{row['path']}:{row['mix']}"} for row in report.get("skipped", [])]
+    return {**report, "results": results, "skipped": skipped}
+
+
+def _is_full(policy: str) -> bool:
+    return policy == "full" or policy.endswith(":full")
+
+
 def markdown_table(report: dict) -> str:
     summary = summarize(report["results"])
-    full_seconds = [row["seconds"] for row in summary if row["policy"] == "full"]
+    full_seconds = [row["seconds"] for row in summary if _is_full(row["policy"])]
     baseline = full_seconds[0] if full_seconds else None
-    ratios = sorted({row["ratio"] for row in summary if row["policy"] != "full"})
+    ratios = sorted({row["ratio"] for row in summary if not _is_full(row["policy"])})
     headers = [f"{ratio}" for ratio in ratios] or ["uncompressed"]
     ratios = ratios or [0.0]  # full alone: one column, which no ratio names
     policies = list(dict.fromkeys(row["policy"] for row in summary))
@@ -38,7 +53,8 @@ def markdown_table(report: dict) -> str:
         f"model={config['model'] or 'SmolLM2-135M-Instruct'}, prompt={report.get('prompt_format', 'chat template')}"
         + (f", quant={config['quant']} (kv16 = bytes held / a 16-bit full cache's)" if config.get("quant") else ""),
         f"system: kvwise {system['kvwise']}, torch {system['torch']}, transformers {system['transformers']}, "
-        f"{system['device']} ({system['hardware']})",
+        f"{system['device']} ({system['hardware']})"
+        + (f", paths: {', '.join(config['paths'])}" if config.get("paths") else ""),
         "",
         "Accuracy (correct/trials) per compression ratio; kv = bytes held / full cache bytes; "
         "s = median seconds per trial, cells interleaved trial by trial (x = against `full` in this run); "
@@ -58,6 +74,8 @@ def markdown_table(report: dict) -> str:
             kv16 = f", kv16 {row['kv16_fraction']:.4f}" if config.get("quant") else ""
             cells.append(f"{row['correct']}/{row['trials']}, kv {row['kv_fraction']:.3f}{kv16}{speed}{_peak(row)}")
         lines.append(f"| {policy} | " + " | ".join(cells) + " |")
+    refused = [row for row in report.get("skipped", []) if row.get("budget") is None]
+    lines += [f"\n{row['mix']} at {row['ratio']}: not run ({row['why']})" for row in refused]
     return "\n".join(lines) + "\n"
 
 
@@ -114,13 +132,14 @@ def best_per_budget(summary: list[dict]) -> dict[float, dict]:
 def budget_table(report: dict) -> str:
     """Accuracy at equal bytes: mixes by budget, the best of each budget in bold, the front, what was skipped."""
     summary = summarize_budgets(report["results"])
-    if not summary and not report.get("skipped"):
+    skipped_rows = [row for row in report.get("skipped", []) if row.get("budget") is not None]
+    if not summary and not skipped_rows:
         return ""
-    budgets = sorted({row["budget"] for row in summary} | {row["budget"] for row in report.get("skipped", [])})
+    budgets = sorted({row["budget"] for row in summary} | {row["budget"] for row in skipped_rows})
     budgets.reverse()
-    mixes = list(dict.fromkeys([*(row["mix"] for row in summary), *(row["mix"] for row in report.get("skipped", []))]))
+    mixes = list(dict.fromkeys([*(row["mix"] for row in summary), *(row["mix"] for row in skipped_rows)]))
     by_cell = {(row["mix"], row["budget"]): row for row in summary}
-    skipped = {(row["mix"], row["budget"]): row["why"] for row in report.get("skipped", [])}
+    skipped = {(row["mix"], row["budget"]): row["why"] for row in skipped_rows}
     best = best_per_budget(summary)
     lines = [
         "",
@@ -171,6 +190,7 @@ def per_length(report: dict) -> list[dict]:
 
 
 def write_niah_report(report: dict, out_dir: Path) -> None:
+    report = by_path(report)
     compare = f"\nkvpress rows missing: {report['compare_error']}\n" if report.get("compare_error") else ""
     tables = [markdown_table(part) + budget_table(part) for part in per_length(report)]
     (out_dir / "niah.md").write_text("\n".join(tables) + compare)

@@ -8,6 +8,7 @@ prefix tiers under the same key, as one safetensors blob inside the tiers' authe
     counts [layers, kv_heads], positions [layers, kv_heads, width]
     keys, values [rows, head_dim]                 device pages: each head's kept rows, layer by layer
     quant.<role>.<name> [pages, ...]              quantized pages: their codes and scales as stored
+    sinks.keys, sinks.values [rows, head_dim]     quantized: each head's sinks, in the model's dtype
     stats.<name> [layers, kv_heads, width]        the policy's running statistics, if any
 
 Quantized codes travel as they are, so a document comes back bit for bit. Whatever the bytes,
@@ -21,7 +22,8 @@ import torch
 
 from kvwise.engine.head_region import HeadRegion
 
-FORMAT = "kvwise-head-region/1"
+# /2: quantized regions hold sinks and pages of one group (the mix's StoredForm); a /1 entry is a miss
+FORMAT = "kvwise-head-region/2"
 
 
 def write_entry(region: HeadRegion, tokens, reused: int, stats, storage) -> torch.Tensor:
@@ -41,6 +43,8 @@ def write_entry(region: HeadRegion, tokens, reused: int, stats, storage) -> torc
     else:
         ids = [page for layer in region.pages for head in layer for page in head]
         state.update({f"quant.{name}": table for name, table in region.quant.export(ids).items()})
+        state["sinks.keys"] = torch.cat(region.sink_keys).cpu()
+        state["sinks.values"] = torch.cat(region.sink_values).cpu()
     for name in stats[0] if stats else ():
         state[f"stats.{name}"] = torch.stack([_pad(layer[name].cpu(), width, 0.0) for layer in stats])
     blob = safetensors.torch.save({name: tensor.contiguous() for name, tensor in state.items()}, {"format": FORMAT})

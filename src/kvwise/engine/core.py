@@ -447,7 +447,9 @@ class EngineCore:
 
     def _fail(self, request: Request, error: Exception) -> TokenEvent:
         """Cancel one request after an internal fault in its part of a step; the others go on."""
-        log.error("request %s failed inside a step: %s: %s", request.request_id, type(error).__name__, error)
+        log.error(
+            "request %s failed inside a step: %s: %s", request.request_id, type(error).__name__, error, exc_info=error
+        )
         self.scheduler.cancel(request)
         request.finish_time = time.monotonic()
         request.error = f"internal error while computing this request: {type(error).__name__}"

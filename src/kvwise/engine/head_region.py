@@ -9,6 +9,8 @@ After an eviction a request's KV is three parts, read in this order by attention
 The region replaces the private tokens it was made from; their blocks went back to the pool.
 Its pages are device head pages (`HeadPages`, read in place through `cells`), or quantized pages
 (`QuantPages`, restored through `page_ids` and `rows`) when the request asked for `kv_quant`.
+Quantized, each head's first tokens are its sinks, held here in the model's dtype (`sink_keys`,
+`sink_values`: the mix's `StoredForm`), and `rows` index the sinks, then the restored pages.
 `valid` and `positions` describe the region as padded per-head rows, made once when it is
 written (the runner and the next eviction read them every step).
 """
@@ -32,6 +34,9 @@ class HeadRegion:
     quant: object = None  # QuantPages holding the pages, or None (device pages)
     page_ids: list[torch.Tensor] | None = None  # quantized: [layer] -> [P] its page ids, head after head
     rows: list[torch.Tensor] | None = None  # quantized: [layer] -> [kv_heads, width] rows of the restored pages
+    # quantized: [layer] -> [sum of the heads' sinks, head_dim] each head's sinks, head after head
+    sink_keys: list[torch.Tensor] | None = None
+    sink_values: list[torch.Tensor] | None = None
     page_bytes: int = 0  # one page's keys and values as stored (device or quantized)
     holders: int = 1  # requests reading it, plus the compressed-prefix cache when published there
     _stacked: tuple | None = field(default=None, repr=False)
@@ -41,8 +46,10 @@ class HeadRegion:
         if self.quant is None:
             keys, values = storage.cells()
             return keys[self.cells[layer]], values[self.cells[layer]]
-        keys, values = self.quant.read(self.page_ids[layer])  # [P, block_size, head_dim]
-        return keys.flatten(0, 1)[self.rows[layer]], values.flatten(0, 1)[self.rows[layer]]
+        keys, values = self.quant.read(self.page_ids[layer])  # [P, page_tokens, head_dim]
+        keys = torch.cat([self.sink_keys[layer], keys.flatten(0, 1)])
+        values = torch.cat([self.sink_values[layer], values.flatten(0, 1)])
+        return keys[self.rows[layer]], values[self.rows[layer]]
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Device pages only: cells [layers, kv_heads, width] (padded to the widest layer) and
@@ -58,8 +65,19 @@ class HeadRegion:
         return sum(len(head) for layer in self.pages for head in layer)
 
     @property
+    def sink_bytes(self) -> int:
+        if self.sink_keys is None:
+            return 0
+        return sum(keys.nbytes + values.nbytes for keys, values in zip(self.sink_keys, self.sink_values))
+
+    @property
     def nbytes(self) -> int:
-        return self.num_pages * self.page_bytes
+        return self.num_pages * self.page_bytes + self.sink_bytes
+
+    def zero_sinks(self) -> None:
+        """Overwrite the sinks, so nothing a request held outlives it (pages are zeroed by their store)."""
+        for tensor in (*(self.sink_keys or ()), *(self.sink_values or ())):
+            tensor.zero_()
 
     def longest(self) -> int:
         """The most tokens any head of any layer holds."""

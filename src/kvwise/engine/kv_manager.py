@@ -43,11 +43,12 @@ from kvwise.engine.head_pages import HeadPages
 from kvwise.engine.head_region import HeadRegion
 from kvwise.engine.kv_stats import KVStats, TierUsage
 from kvwise.engine.namespaces import default_namespace
-from kvwise.engine.quant_pages import QuantPages, into_pages
+from kvwise.engine.quant_pages import QuantPages
 from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.request import Request
 from kvwise.engine.swap import HostSwap
 from kvwise.kv.paged import PagedKVStorage
+from kvwise.kv.stored_form import into_pages
 from kvwise.tiers.base import Tier
 from kvwise.tiers.prefix_tiers import PrefixTiers, ReuseStats
 
@@ -248,13 +249,17 @@ class KVCacheManager:
         valid = [layer >= 0 for layer in positions]
         if request.kv.quant is not None:
             stored = {name.removeprefix("quant."): t for name, t in state.items() if name.startswith("quant.")}
-            per_page = self.block_size
-            pages = sum(-(-count // per_page) for layer in counts for count in layer)
             store = self.quant_pages(request.kv.quant)
+            sink_counts = self._sink_counts(counts, store.form)
+            pages = _pages_needed(counts, sink_counts, store.page_tokens)
             ids = store.restore(stored, pages) if self._room_in(store, pages) else None
             if ids is None:
                 return None
-            return self._quantized_region(self.quant_pages(request.kv.quant), ids, counts, valid, positions)
+            dtype, per_layer = self.storage.keys[0].dtype, [sum(layer) for layer in sink_counts]
+            sinks = tuple(
+                list(state[f"sinks.{role}"].to(device, dtype).split(per_layer)) for role in ("keys", "values")
+            )
+            return self._quantized_region(store, ids, counts, valid, positions, sinks)
         per_page = self.head_pages.page_tokens
         pages = sum(-(-count // per_page) for layer in counts for count in layer)
         free_pages = len(self.head_pages.free)
@@ -276,6 +281,7 @@ class KVCacheManager:
             store = region.quant if region.quant is not None else self.head_pages
             for heads in region.pages:
                 store.release([page for pages in heads for page in pages])
+            region.zero_sinks()
 
     def _reclaim(self, blocks: int) -> bool:
         """Free `blocks` device blocks if it can be done without touching a running request:
@@ -527,7 +533,8 @@ class KVCacheManager:
         to head pages, and the blocks and pages they came from go back (zeroed). Every private
         token is then in the region; the tail starts empty at the end of the compaction."""
         if compaction.ratio_tokens is None and compaction.cap is None:  # an observation only
-            request.kv_stats = [compaction.stats[layer] for layer in range(compaction.num_layers)]
+            # a sliding-window layer keeps its window and observes nothing
+            request.kv_stats = [compaction.stats.get(layer, {}) for layer in range(compaction.num_layers)]
             return
         if request.reused % self.block_size:
             raise RuntimeError("a shared prefix must end on a block boundary to evict after it")
@@ -594,34 +601,62 @@ class KVCacheManager:
         return HeadRegion(pages, counts, valid, positions, cells=cells, page_bytes=self.head_pages.page_bytes)
 
     def _write_quantized(self, name: str, kept, counts, valid, positions) -> HeadRegion | None:
-        store, ids = self.quant_pages(name), []
-        self._room_in(store, sum(-(-count // self.block_size) for layer in counts for count in layer))
+        """The kept rows in the mix's stored form: each head's sinks in the model's dtype, the
+        rest in quantized pages. None when the store is full."""
+        store, ids, sinks = self.quant_pages(name), [], ([], [])
+        sink_counts = self._sink_counts(counts, store.form)
+        self._room_in(store, _pages_needed(counts, sink_counts, store.page_tokens))
         for layer, (layer_counts, keys, values, _, _) in enumerate(kept):
-            pages_per_head = torch.tensor([-(-count // self.block_size) for count in layer_counts])
+            sink_keys, page_keys, quantized = _split_sinks(keys, layer_counts, sink_counts[layer])
+            sink_values, page_values, _ = _split_sinks(values, layer_counts, sink_counts[layer])
+            pages_per_head = torch.tensor([-(-count // store.page_tokens) for count in quantized])
             heads = torch.repeat_interleave(torch.arange(len(layer_counts)), pages_per_head)
-            pages = (into_pages(part, layer_counts, self.block_size) for part in (keys, values))
+            pages = (into_pages(part, quantized, store.page_tokens) for part in (page_keys, page_values))
             stored = store.store(*pages, layer=layer, heads=heads)
             if stored is None:  # full: what this call stored goes back, and device pages take the region
                 store.release(ids)
                 return None
             ids += stored
-        return self._quantized_region(store, ids, counts, valid, positions)
+            sinks[0].append(sink_keys.clone())
+            sinks[1].append(sink_values.clone())
+        return self._quantized_region(store, ids, counts, valid, positions, sinks)
 
-    def _quantized_region(self, store: QuantPages, ids: list[int], counts, valid, positions) -> HeadRegion:
-        """The region whose pages are `ids` of `store`, layer by layer and head by head."""
+    def _sink_counts(self, counts: list[list[int]], form) -> list[list[int]]:
+        """[layer][head]: the rows a quantized region keeps in the model's dtype: the form's sinks,
+        and all of a sliding-window layer's window, which the library's cache (transformers'
+        sliding layers) never quantizes either."""
+        windows = self.geometry.windows if self.geometry is not None else ()
+        return [
+            list(layer_counts) if windows and windows[layer] else [form.sinks(count) for count in layer_counts]
+            for layer, layer_counts in enumerate(counts)
+        ]
+
+    def _quantized_region(self, store: QuantPages, ids: list[int], counts, valid, positions, sinks) -> HeadRegion:
+        """The region whose pages are `ids` of `store`, layer by layer and head by head, and whose
+        rows kept in the model's dtype are `sinks` (keys, values: [layer] -> [rows, head_dim])."""
         pages, page_ids, rows, start = [], [], [], 0
         device = self.storage.keys[0].device
-        for layer_counts in counts:
+        per_page, sink_counts = store.page_tokens, self._sink_counts(counts, store.form)
+        for layer_counts, layer_sinks in zip(counts, sink_counts):
             per_head, first = [], start
-            for count in layer_counts:
-                used = -(-count // self.block_size)
+            for count, sink in zip(layer_counts, layer_sinks):
+                used = -(-(count - sink) // per_page)
                 per_head.append(ids[start : start + used])
                 start += used
             pages.append(per_head)
             page_ids.append(torch.tensor(ids[first:start], dtype=torch.long, device=device))
-            rows.append(_page_rows(layer_counts, self.block_size, device))
+            rows.append(_page_rows(layer_counts, layer_sinks, per_page, device))
         return HeadRegion(
-            pages, counts, valid, positions, quant=store, page_ids=page_ids, rows=rows, page_bytes=store.page_bytes
+            pages,
+            counts,
+            valid,
+            positions,
+            quant=store,
+            page_ids=page_ids,
+            rows=rows,
+            sink_keys=sinks[0],
+            sink_values=sinks[1],
+            page_bytes=store.page_bytes,
         )
 
     # ---- per-request quantization ------------------------------------------------------------------
@@ -630,8 +665,8 @@ class KVCacheManager:
         quarter of the pool's head pages, quantized."""
         if name not in self.quantized_pages:
             layers, heads = len(self.storage.keys), self.head_pages.kv_heads
-            capacity = self.pool.num_blocks * layers * heads // 4
-            self.quantized_pages[name] = QuantPages(name, self.storage, capacity, self.attach_quantizer)
+            tokens = self.pool.num_blocks * self.block_size * layers * heads // 4
+            self.quantized_pages[name] = QuantPages(name, self.storage, tokens, self.attach_quantizer)
         return self.quantized_pages[name]
 
     def quant_pool(self, name: str) -> QuantPool:
@@ -648,6 +683,8 @@ class KVCacheManager:
                 continue
             if request.kv.max_kv_tokens is not None:
                 continue  # its tail is read again by the next eviction
+            if _eviction_pending(request):
+                continue  # evict first, then quantize what is kept: the eviction reads these blocks
             try:
                 self._quantize(request)
             except Exception as error:  # noqa: BLE001 - that request alone fails
@@ -725,13 +762,43 @@ def _compresses(request: Request) -> bool:
     return request.kv is not None and request.kv.active
 
 
-def _page_rows(counts: list[int], block_size: int, device) -> torch.Tensor:
-    """[kv_heads, most kept]: row of each head's token in its restored pages, laid head after head
-    (0 in padding)."""
+def _eviction_pending(request: Request) -> bool:
+    """Its ratio has not evicted yet: a KVzip reconstruction pass still reads its private blocks,
+    or its compression point is not reached (they stay in the pool until the eviction ran)."""
+    settings = request.kv
+    awaiting_ratio = settings.evicts and settings.ratio > 0 and request.region is None and not request.compressed_hit
+    return request.reconstruction is not None or awaiting_ratio
+
+
+def _pages_needed(counts: list[list[int]], sink_counts: list[list[int]], per_page: int) -> int:
+    """Quantized pages for a region keeping counts[layer][head] tokens, sink_counts of them unquantized."""
+    return sum(
+        -(-(count - sink) // per_page)
+        for layer_counts, layer_sinks in zip(counts, sink_counts)
+        for count, sink in zip(layer_counts, layer_sinks)
+    )
+
+
+def _split_sinks(rows: torch.Tensor, counts: list[int], sinks: list[int]):
+    """rows [sum(counts), dim], head after head -> (the first sinks[h] rows of each head, the
+    rest, the rest's count per head), both head after head."""
+    first = torch.zeros(rows.shape[0], dtype=torch.bool, device=rows.device)
+    start = 0
+    for count, sink in zip(counts, sinks):
+        first[start : start + sink] = True
+        start += count
+    return rows[first], rows[~first], [count - sink for count, sink in zip(counts, sinks)]
+
+
+def _page_rows(counts: list[int], sinks: list[int], per_page: int, device) -> torch.Tensor:
+    """[kv_heads, most kept]: row of each head's token in [its layer's sinks, then its restored
+    pages], both laid head after head (0 in padding)."""
     width = max(counts, default=0)
     rows = torch.zeros(len(counts), width, dtype=torch.long, device=device)
-    start = 0
-    for head, count in enumerate(counts):
-        rows[head, :count] = torch.arange(start, start + count, device=device)
-        start += -(-count // block_size) * block_size
+    sink_start, page_start = 0, sum(sinks)
+    for head, (count, sink) in enumerate(zip(counts, sinks)):
+        rows[head, :sink] = torch.arange(sink_start, sink_start + sink, device=device)
+        rows[head, sink:count] = torch.arange(page_start, page_start + count - sink, device=device)
+        sink_start += sink
+        page_start += -(-(count - sink) // per_page) * per_page
     return rows

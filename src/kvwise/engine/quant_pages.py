@@ -2,10 +2,11 @@
 
 Evict first, then quantize what is kept: when a compaction writes a request's region (what each
 (layer, KV head) kept, `HeadRegion`), a request with a quantizer gets its pages here instead of
-in the device pool. A page is `block_size` tokens of one head, so a KIVI key group is one page.
-A head's last page, when partly filled, is padded with copies of its own first token, which
-leave the group's range (and so its scale) unchanged. Pages are restored to the model's dtype
-for attention; the bytes saved are real. Freed pages are zeroed.
+in the device pool. The pages follow the mix's `StoredForm`, as the library's cache does: each
+head's first `sink_tokens` kept tokens stay in the model's dtype (held by the region), and the
+rest is quantized in pages of one group each (`page_tokens`: a KIVI key group, or the block size
+for per-token codecs), a head's last page padded with copies of its own first row. Pages are
+restored to the model's dtype for attention; the bytes saved are real. Freed pages are zeroed.
 """
 
 from __future__ import annotations
@@ -16,30 +17,39 @@ from kvwise.core.block_pool import BlockPool
 from kvwise.kv.blocks import QuantizedBlocks
 from kvwise.kv.paged import PagedKVStorage
 from kvwise.kv.quantizer import make_quantizer
+from kvwise.kv.stored_form import StoredForm
 
 
 class QuantPages:
-    def __init__(self, name: str, storage: PagedKVStorage, capacity: int, attach=lambda quantizer: quantizer):
-        """capacity: pages it can hold (allocated up front, quantized); attach: readies the
-        quantizer for the model (`Quantizer.attach`: a low-rank codec's bases)."""
+    def __init__(self, name: str, storage: PagedKVStorage, token_capacity: int, attach=lambda quantizer: quantizer):
+        """token_capacity: tokens of one head it can hold (allocated up front, quantized); attach:
+        readies the quantizer for the model (`Quantizer.attach`: a low-rank codec's bases)."""
         self.name = name
         self.quantizer = attach(make_quantizer(name))
+        self.form = StoredForm.of(self.quantizer)
         layer = storage.keys[0]
-        self.block_size, self.dtype = storage.block_size, layer.dtype
-        self.pages = QuantizedBlocks(self.quantizer, capacity, self.block_size, 1, layer.shape[-1], layer.device)
+        self.page_tokens, self.dtype, self.head_dim = (
+            self.form.page_tokens(storage.block_size),
+            layer.dtype,
+            layer.shape[-1],
+        )
+        capacity = max(1, token_capacity // self.page_tokens)
+        self.pages = QuantizedBlocks(self.quantizer, capacity, self.page_tokens, 1, layer.shape[-1], layer.device)
         # A page is one head of one layer; a per-head codec (low-rank) needs to know which.
         # lowrank always projects keys; without bases (not attached) its codec says so on first use
         self.layer_starts = self.quantizer.key_codec.starts if self.quantizer.needs_heads else None
         per_head = self.layer_starts is not None
         self.page_bases = torch.zeros(capacity, dtype=torch.int32, device=layer.device) if per_head else None
-        self.ids = BlockPool(capacity, self.block_size)
+        self.ids = BlockPool(capacity, self.page_tokens)
         self.ids.on_release(self._zero)
         self.page_bytes = self.pages.nbytes() // capacity + (4 if per_head else 0)
         self.device = layer.device
 
     def store(self, keys: torch.Tensor, values: torch.Tensor, layer: int = 0, heads=None) -> list[int] | None:
-        """Quantize pages keys, values [n, block_size, head_dim] of `layer`'s KV heads `heads` [n];
+        """Quantize pages keys, values [n, page_tokens, head_dim] of `layer`'s KV heads `heads` [n];
         their ids, or None when full."""
+        if keys.shape[0] == 0:  # every row of these heads stays in the model's dtype (a sliding window)
+            return []
         if not self.ids.can_allocate(keys.shape[0]):
             return None
         ids = self.ids.allocate(keys.shape[0])
@@ -53,7 +63,10 @@ class QuantPages:
         return ids
 
     def read(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """keys, values [n, block_size, head_dim] in the model's dtype."""
+        """keys, values [n, page_tokens, head_dim] in the model's dtype."""
+        if ids.numel() == 0:
+            empty = torch.zeros(0, self.page_tokens, self.head_dim, dtype=self.dtype, device=self.device)
+            return empty, empty
         bases = None if self.page_bases is None else self.page_bases[ids][:, None].long()
         keys, values = self.pages.read(ids, self.dtype, bases)
         return keys[:, :, 0], values[:, :, 0]
@@ -98,19 +111,3 @@ class QuantPages:
 
     def _zero(self, ids: list[int]) -> None:
         self.pages.zero(torch.tensor(ids, device=self.device))
-
-
-def into_pages(rows: torch.Tensor, counts: list[int], block_size: int) -> torch.Tensor:
-    """rows [sum(counts), head_dim], head after head -> pages [sum(ceil(count / block_size)),
-    block_size, head_dim]; a head's last page is padded with its first row."""
-    pages, start = [], 0
-    for count in counts:
-        head = rows[start : start + count]
-        start += count
-        if count == 0:
-            continue
-        short = -count % block_size
-        if short:
-            head = torch.cat([head, head[:1].expand(short, -1)])
-        pages.append(head.view(-1, block_size, rows.shape[-1]))
-    return torch.cat(pages) if pages else rows.new_zeros(0, block_size, rows.shape[-1])

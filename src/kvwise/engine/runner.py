@@ -370,6 +370,10 @@ class ModelRunner:
         runner tells each where its chunk's queries are in the flat step.
         """
         device = self.model.device
+        if self.model.config._attn_implementation != ATTENTION_NAME:
+            # a KVWiseCache (or anything else) made on the same model since switched it away: the
+            # model's own attention would read nothing from the pool and score nothing
+            self.model.set_attn_implementation(ATTENTION_NAME)
         decodes = [c for c in chunks if c.end - c.start == 1]
         plain = [c for c in decodes if not _own_group(c.request)]
         # the kernel pads nothing, so all plain decodes form one group; SDPA pads each group to its

@@ -174,6 +174,11 @@ class CompressingLayer(CacheLayerMixin):
         """Tokens kept per head: [batch, num_kv_heads] int64."""
         return self.lengths.clone()
 
+    def kept_positions(self) -> torch.Tensor:
+        """[batch, num_kv_heads, max_len] int32: the original position of each token held, per head,
+        in `padded()`'s order (padding slots are not meaningful; `padded()`'s valid marks them)."""
+        return self._padded_positions(self._slot_valid())
+
     # ---- padded <-> flat ---------------------------------------------------------------------
     def _slot_valid(self) -> torch.Tensor:
         """[batch, num_kv_heads, max_len] bool: which padded slots hold a token."""

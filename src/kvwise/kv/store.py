@@ -8,6 +8,7 @@ precision, the quantized part, then a full-precision residual window of the newe
     residual_keys, residual_values: [num_residual_rows, head_dim] in the model's dtype
     sink_lengths, quantized_lengths, residual_lengths: [batch, num_kv_heads] int64
 
+The three parts are the mix's `StoredForm`, which the engine's quantized pages follow too.
 Without a quantizer everything stays in the residual part: the store is then the plain
 variable-length cache of kvwise. With one, tokens leave the residual window `group_size` at a
 time once it holds `residual_length + group_size` of them, and `flush()` moves all of it. The
@@ -24,6 +25,7 @@ import torch
 from kvwise.kv import ragged
 from kvwise.kv.codec import Encoded, append_by_head, concat_encoded
 from kvwise.kv.quantizer import Quantizer
+from kvwise.kv.stored_form import StoredForm
 
 
 @dataclass
@@ -271,12 +273,8 @@ class KVStore:
         quantizer = self.quantizer
         if quantizer is None:
             return None
-        window, group = quantizer.residual_length, quantizer.group_size
         lengths = self.residual_lengths
-        if flush:
-            moving = lengths
-        else:
-            moving = torch.where(lengths >= window + group, (lengths - window) // group * group, 0)
+        moving = lengths if flush else StoredForm.of(quantizer).settling(lengths)
         if int(moving.sum()) == 0:
             return None
         open_sinks = torch.where(self.quantized_lengths == 0, quantizer.sink_tokens - self.sink_lengths, 0)

@@ -30,8 +30,19 @@ def test_budget_cells_need_mixes_without_ratios_and_the_library():
         NiahConfig(budget_bytes=[0.05], mixes=["kvzop+kivi2"])
     with pytest.raises(ValueError, match="give --budget-bytes too"):
         NiahConfig(mixes=["kvzip+kivi2"])
-    with pytest.raises(ValueError, match="leave out --engine"):
-        NiahConfig(budget_bytes=[0.05], engine=True)
+    with pytest.raises(ValueError, match="--paths takes one or both of library, engine"):
+        NiahConfig(budget_bytes=[0.05], paths=["engine", "server"])
+    with pytest.raises(ValueError, match="each once"):
+        NiahConfig(paths=["engine", "engine"])
+
+
+def test_the_engine_pays_for_padded_pages_in_a_byte_budget(llama):
+    """A head's last page is padded (half a page on average): at one budget the engine keeps fewer
+    tokens than the library, whose groups pad nothing."""
+    sizer = ByteSizer(llama)
+    library = sizer.solve(budget_mix("snapkv+kivi4"), 400, 0.1)
+    engine = sizer.solve(budget_mix("snapkv+kivi4"), 400, 0.1, page_tokens=32)
+    assert 0 < library.ratio < engine.ratio < 1
 
 
 def test_policies_take_options_and_errors_name_what_was_written():

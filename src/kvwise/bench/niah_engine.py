@@ -15,6 +15,7 @@ from kvwise.engine.config import CacheConfig
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.llm import LLM
 from kvwise.engine.sampling import SamplingParams
+from kvwise.hf.cache import full_kv_bytes
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.kv.stored_form import StoredForm
 from kvwise.policies.registry import make_policy
@@ -34,7 +35,7 @@ class EngineTrials:
     """Trials through one engine (`engine_for`), for `run_niah`."""
 
     def __init__(self, model, tokenizer, longest: int, new_tokens: int = 8):
-        self.llm, self.new_tokens = engine_for(model, tokenizer, longest), new_tokens
+        self.model, self.llm, self.new_tokens = model, engine_for(model, tokenizer, longest), new_tokens
 
     def page_tokens(self, quant: str | None) -> int:
         """Tokens of one head in one page of what a compressed context is held in: a head's last
@@ -52,7 +53,11 @@ class EngineTrials:
         return None
 
     def __call__(self, prompt, name, ratio, mode, quant=None, options=()) -> dict:
-        return run_engine_trial(self.llm, prompt, name, ratio, mode, self.new_tokens, quant, options)
+        measured = run_engine_trial(self.llm, prompt, name, ratio, mode, self.new_tokens, quant, options)
+        compressed = measured["compressed_tokens"]
+        measured["full_kv_bytes"] = full_kv_bytes(self.model, compressed, self.model.dtype.itemsize)
+        measured["full16_kv_bytes"] = full_kv_bytes(self.model, compressed, 2)
+        return measured
 
 
 def run_engine_trial(

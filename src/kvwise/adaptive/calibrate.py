@@ -8,14 +8,12 @@ the profile (kept when already there, unless `--no-resume`); then the low-rank c
 
 Each mix runs every probe (`adaptive.probes`) and the measurements become a `Profile`: quality per
 class relative to `full` on the same probes, bytes per token, extra seconds per token, and the
-Pareto front per class (a Markdown table and a plot beside the JSON). Probes scored by greedy
-output (retrieval, long generation) run through the serving engine, all of a mix's at once, as
-`auto` serves them: the two paths are equal for eviction alone, but the engine quantizes a
-compressed region whole where the library keeps its newest tokens in a full-precision residual
-window, and on the embedded model that costs needles. Chat probes, scored by the perplexity of a
-given continuation (which the engine does not compute), run through the library cache
-(`KVWiseCache`). Rows stream to a partial file, so an interrupted run resumes; `--budget-minutes`
-stops starting new mixes once spent.
+Pareto front per class (a Markdown table and a plot beside the JSON). Every probe runs through
+the serving engine, all of a mix's at once, as `auto` serves them: retrieval and long generation
+by their greedy output, chat by the perplexity of a given continuation read after the compressed
+prompt (the engine's prompt logprobs). `measure_probe` measures one probe through the library's
+cache (`KVWiseCache`) the same way, for comparisons of the two paths. Rows stream to a partial
+file, so an interrupted run resumes; `--budget-minutes` stops starting new mixes once spent.
 """
 
 from __future__ import annotations
@@ -79,7 +77,7 @@ QUICK_MIXES = DEFAULT_MIXES[:8]
 PROBES = {"retrieval": 10, "chat": 4, "long_generation": 4}
 QUICK_PROBES = {"retrieval": 4, "chat": 3, "long_generation": 2}
 RETRIEVAL_TOKENS = 8
-ENGINE_CLASSES = ("retrieval", "long_generation")  # scored by greedy output: measured in the engine
+ENGINE_CLASSES = ("retrieval", "chat", "long_generation")  # every class is measured in the engine
 
 
 @dataclass
@@ -181,28 +179,46 @@ def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool
 
 
 def measure_in_engine(model, tokenizer, mix: str, probes: list[tuple[int, Probe]]) -> dict[int, dict]:
-    """Run `probes` [(index, probe)] under `mix` through one engine, all at once, greedily; per
-    index, the raw outcome and `bytes`: what the request held on its last step (its compressed
-    region or quantized blocks, and the few tokens it generated). The batch's seconds are shared
-    out by prompt length."""
+    """Run `probes` [(index, probe)] under `mix` through one engine, all at once, as `auto` serves
+    them; per index, the raw outcome and `bytes`: what the request held on its last step (its
+    compressed region or quantized blocks, and the few tokens it generated; a chat probe's: once
+    its prompt was compressed). The batch's seconds
+    are shared out by prompt length.
+
+    As in `measure_probe`, all but a probe's last prompt token are compressed (`compress_upto`).
+    Retrieval and long generation decode greedily; a chat probe's continuation is read after its
+    prompt and scored by its prompt logprobs, under the compressed context as the engine holds it."""
     block = CacheConfig.block_size
     # room for every prompt, its output and a KVzip pass over it (about as long again)
-    blocks = sum(3 * -(-(probe.prompt_ids.shape[1] + AGREEMENT_TOKENS) // block) for _, probe in probes) + 16
+    longest = {index: probe.prompt_ids.shape[1] + _continuation_length(probe) for index, probe in probes}
+    blocks = sum(3 * -(-(longest[index] + AGREEMENT_TOKENS) // block) for index, _ in probes) + 16
     core = EngineCore(model, tokenizer, CacheConfig(num_blocks=blocks, prefix_caching=False), [])
     settings = KVSettings.from_mix(mix) if parse_mix(mix).spec != "full" else None
+    compresses = settings is not None and ((settings.ratio > 0 and settings.evicts) or settings.quant is not None)
     requests = []
     for _, probe in probes:
-        wanted = RETRIEVAL_TOKENS if probe.klass == "retrieval" else AGREEMENT_TOKENS
-        params = SamplingParams(temperature=0, max_tokens=wanted, ignore_eos=True)
-        requests.append(core.make_request(probe.prompt_ids[0].tolist(), params, kv=settings))
+        prompt = probe.prompt_ids[0].tolist()
+        if probe.klass == "chat":
+            params = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True, prompt_logprobs=0)
+            tokens = prompt + probe.continuation_ids[0].tolist()
+        else:
+            wanted = RETRIEVAL_TOKENS if probe.klass == "retrieval" else AGREEMENT_TOKENS
+            params, tokens = SamplingParams(temperature=0, max_tokens=wanted, ignore_eos=True), prompt
+        upto = len(prompt) - 1 if compresses else None
+        requests.append(core.make_request(tokens, params, kv=settings, compress_upto=upto))
     started, held = time.perf_counter(), {}
     for request in requests:
         core.add(request)
     while core.has_work:
         core.step()
         for request in requests:
-            if not request.done and request.output:
+            if request.done:
+                continue
+            if request.output or (request.prompt_logprobs is None and request.computed >= request.compression_point):
                 held[id(request)] = core.kv.request_bytes(request)
+            elif request.prompt_logprobs is not None and request.computed >= request.compression_point:
+                # a chat probe: what its compressed prompt holds, before the continuation is read
+                held.setdefault(id(request), core.kv.request_bytes(request))
     seconds = time.perf_counter() - started
     prompt_tokens = sum(probe.prompt_ids.shape[1] for _, probe in probes)
     rows = {}
@@ -213,10 +229,17 @@ def measure_in_engine(model, tokenizer, mix: str, probes: list[tuple[int, Probe]
         row = {"bytes": held.get(id(request), 0), "full_bytes": full_kv_bytes(model, length - 1, model.dtype.itemsize)}
         if probe.klass == "retrieval":
             row["correct"] = probe.answer in tokenizer.decode(request.output)
+        elif probe.klass == "chat":
+            scored = request.prompt_logprobs[length:]  # each continuation token given all before it
+            row["nll"] = -sum(entry[token] for entry, token in zip(scored, request.prompt[length:])) / len(scored)
         else:
             row["tokens"] = list(request.output[:AGREEMENT_TOKENS])
         rows[index] = {**row, "seconds": seconds * length / prompt_tokens, "prompt_tokens": length}
     return rows
+
+
+def _continuation_length(probe: Probe) -> int:
+    return probe.continuation_ids.shape[1] if probe.continuation_ids is not None else 0
 
 
 @torch.no_grad()

@@ -24,7 +24,7 @@ from kvwise.engine.kv_manager import KVCacheManager
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.request import Request, Status
 from kvwise.engine.runner import ForwardOutput, ModelRunner
-from kvwise.engine.sampling import SamplingParams, find_stop, sample
+from kvwise.engine.sampling import SamplingParams, find_stop, prompt_token_logprobs, sample
 from kvwise.engine.scheduler import Scheduler
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.tiers.base import Tier
@@ -39,6 +39,9 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str  # "stop" (EOS or a stop string), "length", or "error" (an internal fault)
     logprobs: list[dict[int, float]] | None = None
+    # SamplingParams.prompt_logprobs: per prompt token {token: logprob, ...} (None for the first)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank (1: the likeliest)
 
 
 @dataclass
@@ -167,9 +170,10 @@ class EngineCore:
         """kv: the request's own eviction of its private tokens (shared prefixes stay intact).
         kv_auto: let the adaptive controller choose its mix, for this class hint (retrieval, chat,
         long_generation, or auto: from its features); explicit `kv` settings win.
-        compress_upto: its ratio compresses the first `compress_upto` tokens (a document) as soon
-        as they are computed, before the rest of the prompt (the question) is read: query-agnostic
-        compression. Default: the whole prompt when its prefill ends."""
+        compress_upto: its ratio compresses (and its quantizer quantizes) the first `compress_upto`
+        tokens (a document) as soon as they are computed, before the rest of the prompt (the
+        question) is read: query-agnostic compression. Default: the whole prompt when its
+        prefill ends."""
         self.check_fits(len(token_ids), params.max_tokens)
         if kv_auto is not None:
             if self.controller is not None:
@@ -177,8 +181,11 @@ class EngineCore:
             else:
                 raise ValueError("an auto KV mix needs the adaptive controller: LLM(kv='auto'), serve --kv-policy auto")
         if compress_upto is not None:
-            if kv_auto is None and (kv is None or kv.ratio <= 0 or not kv.evicts):
-                raise ValueError("compress_upto needs KVSettings with an evicting policy and a ratio above 0")
+            compresses = kv is not None and ((kv.ratio > 0 and kv.evicts) or kv.quant is not None)
+            if kv_auto is None and not compresses:
+                raise ValueError(
+                    "compress_upto needs KVSettings with an evicting policy and a ratio above 0, or a quantizer"
+                )
             if not 1 <= compress_upto <= len(token_ids):
                 raise ValueError(
                     f"compress_upto must be between 1 and the prompt's {len(token_ids)} tokens, got {compress_upto}"
@@ -195,6 +202,8 @@ class EngineCore:
             index=index,
             generator=None if seed is None else torch.Generator(self.model.device).manual_seed(seed),
             logprobs=[] if params.logprobs is not None else None,
+            prompt_logprobs=[None] * len(token_ids) if params.prompt_logprobs is not None else None,
+            prompt_ranks=[None] * len(token_ids) if params.prompt_logprobs is not None else None,
             kv=kv if kv is not None and kv.active else None,
             compress_upto=compress_upto,
             kv_auto=kv_auto if kv is None else None,
@@ -234,6 +243,7 @@ class EngineCore:
         chunks, logits = [chunks[index] for index in rows], output.logits[rows] if rows else output.logits
         if self.logits_observer is not None:
             self.logits_observer(chunks, logits)
+        self._record_prompt_logprobs(chunks, output.prompt_logits)
         failed += self._settle_memory(output, passes, failed)
         rows = [index for index, chunk in enumerate(chunks) if chunk.request.status is not Status.WAITING]
         if len(rows) < len(chunks):  # some went back to the queue to be recomputed: nothing is sampled for them
@@ -313,6 +323,22 @@ class EngineCore:
                 self.scheduler.finish(request)
             events.append(TokenEvent(request, token.token, reason))
         return events
+
+    @staticmethod
+    def _record_prompt_logprobs(chunks, prompt_logits: dict) -> None:
+        """The logits after each token of a scored prompt chunk give the next prompt token's
+        log-probability (kept by position: a recompute writes the same again)."""
+        for chunk in chunks:
+            logits = prompt_logits.get(id(chunk))
+            if logits is None:
+                continue
+            request = chunk.request
+            end = min(chunk.end, len(request.prompt) - 1)  # the last prompt token predicts the output
+            targets = request.prompt[chunk.start + 1 : end + 1]
+            top = request.params.prompt_logprobs
+            entries, ranks = prompt_token_logprobs(logits[: len(targets)], targets, top)
+            request.prompt_logprobs[chunk.start + 1 : end + 1] = entries
+            request.prompt_ranks[chunk.start + 1 : end + 1] = ranks
 
     def _measure_prefill(self, chunks, seconds: float) -> None:
         """Describe each step for `hit_pad_seconds`, and keep the prefill-only ones to fit its
@@ -417,7 +443,9 @@ class EngineCore:
             raise first_error  # not one request's fault: the engine itself is broken
         log.warning("a step failed; %d of %d chunks failed again alone and were cancelled", len(failed), len(chunks))
         logits = torch.cat([output.logits for output in outputs])
-        return kept, ForwardOutput(logits, [c for output in outputs for c in output.compactions]), failed
+        compactions = [c for output in outputs for c in output.compactions]
+        prompt_logits = {key: value for output in outputs for key, value in output.prompt_logits.items()}
+        return kept, ForwardOutput(logits, compactions, prompt_logits), failed
 
     def _scorers(self, chunks) -> list:
         """What scores after each layer in a forward of `chunks`: planned compactions and the
@@ -480,4 +508,6 @@ class EngineCore:
         if reason == "stop" and request.params.stop:
             cut = find_stop(text, request.params.stop)
             text = text if cut is None else text[:cut]
-        return CompletionOutput(request.index, text, token_ids, reason, request.logprobs)
+        return CompletionOutput(
+            request.index, text, token_ids, reason, request.logprobs, request.prompt_logprobs, request.prompt_ranks
+        )

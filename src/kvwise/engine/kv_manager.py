@@ -143,8 +143,8 @@ class KVCacheManager:
         """Take the prompt's cached prefix: the device match continued in the tiers, locked for the
         request and first in its block table. Returns the tokens it covers (at least the last
         prompt token is left to compute)."""
-        if self.tree is None:
-            return 0
+        if self.tree is None or request.prompt_logprobs is not None:
+            return 0  # a scored prompt is computed whole: cached tokens have no logits to give
         namespace = self.namespace_of(request)
         hit = self._match_compressed(request, namespace)
         if hit:
@@ -679,8 +679,8 @@ class KVCacheManager:
         Returns [(request, error)] for requests whose quantization raised (the others go on)."""
         failed = []
         for request in list(requests):
-            if request.kv is None or request.kv.quant is None or request.prefilling:
-                continue
+            if request.kv is None or request.kv.quant is None or request.computed < request.compression_point:
+                continue  # its blocks settle once what it compresses is computed (with compress_upto, before the rest)
             if request.kv.max_kv_tokens is not None:
                 continue  # its tail is read again by the next eviction
             if _eviction_pending(request):

@@ -40,6 +40,8 @@ class RequestOutput:
     requests: list = field(default_factory=list, repr=False)
     num_cached_tokens: int = 0
     finished: bool = False
+    # SamplingParams.prompt_logprobs: per prompt token {token: logprob, top alternatives...}, None first
+    prompt_logprobs: list[dict[int, float] | None] | None = None
 
 
 class LLM:
@@ -167,6 +169,7 @@ class LLM:
             output.outputs = [request.completion for request in group]
             output.requests = group  # timings and reuse, for benchmarks
             output.num_cached_tokens = group[0].reused
+            output.prompt_logprobs = group[0].prompt_logprobs
             output.finished = all(request.done for request in group)
         return outputs
 

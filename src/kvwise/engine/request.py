@@ -70,6 +70,10 @@ class Request:
     choice: int = 0  # its position among an API call's choices (prompts x n)
     generator: Any = None  # a torch.Generator when the request has a seed
     logprobs: list[dict[int, float]] | None = None
+    # SamplingParams.prompt_logprobs: per prompt token, its log-probability and the top
+    # alternatives ({token: logprob}, its own first); the first token's is None (nothing before it)
+    prompt_logprobs: list[dict[int, float] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank in its distribution (1: likeliest)
     completion: Any = None  # the CompletionOutput once finished
     first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
     finish_time: float | None = None

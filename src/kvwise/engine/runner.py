@@ -158,10 +158,13 @@ class StepLayout:
 @dataclass
 class ForwardOutput:
     """What one forward computed: logits [C, vocab] after each chunk's last token (in the order the
-    chunks were given) and the compactions done inside it (their kept positions filled in)."""
+    chunks were given), the compactions done inside it (their kept positions filled in), and for
+    prompt chunks of requests that asked for prompt logprobs, the logits after each of their
+    tokens [chunk tokens, vocab], by chunk."""
 
     logits: torch.Tensor
     compactions: list[Compaction]
+    prompt_logits: dict = field(default_factory=dict)  # chunk (by identity) -> [end - start, vocab]
 
 
 def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -391,14 +394,25 @@ class ModelRunner:
             install_attention_input_hooks(self.model)
         ids = torch.tensor([[t for c in ordered for t in c.request.tokens[c.start : c.end]]], device=device)
         positions = torch.tensor([[p for c in ordered for p in range(c.start, c.end)]], device=device)
-        last = torch.tensor([c.end - c.start for c in ordered], device=device).cumsum(0) - 1
-        # logits only after each chunk's last token: the LM head over every prompt token would
-        # cost a fifth of a prefill for a small-vocabulary-heavy model like SmolLM2
+        # logits only after each chunk's last token (the LM head over every prompt token would
+        # cost a fifth of a prefill for a small-vocabulary-heavy model like SmolLM2), and after
+        # every token of the prompt chunks whose request scores its prompt
+        keep, spans, first = [], {}, 0
+        for chunk in ordered:
+            size = chunk.end - chunk.start
+            rows = range(first, first + size) if _scores_prompt(chunk) else range(first + size - 1, first + size)
+            spans[id(chunk)] = (len(keep), len(rows))
+            keep.extend(rows)
+            first += size
         linears = self.small_row_linears.active() if self.small_row_linears else contextlib.nullcontext()
         with attached_step(self.attention_modules, layout), linears:
-            logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=last).logits
-        row = {id(chunk): index for index, chunk in enumerate(ordered)}
-        return ForwardOutput(logits[0, [row[id(chunk)] for chunk in chunks]], layout.compactions)
+            kept = torch.tensor(keep, device=device)
+            logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=kept).logits[0]
+        last = [spans[id(chunk)][0] + spans[id(chunk)][1] - 1 for chunk in chunks]
+        prompt_logits = {
+            id(chunk): logits[spans[id(chunk)][0] : sum(spans[id(chunk)])] for chunk in chunks if _scores_prompt(chunk)
+        }
+        return ForwardOutput(logits[last], layout.compactions, prompt_logits)
 
     def _reads_rows(self, request) -> bool:
         """Its decode goes to the rows kernel: a region in device pages, no quantized blocks."""
@@ -560,6 +574,14 @@ def _region_fields(chunk: Chunk, device) -> dict:
     key_positions = torch.where(indices < request.reused, indices, indices + request.kv_offset)
     queries = torch.arange(chunk.start, chunk.end, device=device)
     return {"region": request.region, "key_positions": key_positions, "region_query_positions": queries}
+
+
+def _scores_prompt(chunk) -> bool:
+    """A chunk of prompt tokens whose request asked for their log-probabilities."""
+    if getattr(chunk, "reconstruction", None) is not None:  # KVzip's pass re-reads, it is never scored
+        return False
+    request = chunk.request
+    return getattr(request, "prompt_logprobs", None) is not None and chunk.start < len(request.prompt) - 1
 
 
 def _own_group(request) -> bool:

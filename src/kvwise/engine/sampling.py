@@ -37,6 +37,9 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     n: int = 1
     logprobs: int | None = None  # how many top alternatives to report per token (0: only the chosen one)
+    # log-probabilities of the prompt's own tokens (each given the ones before it, under the
+    # request's KV as it stands when it is read), with this many top alternatives; vLLM's field
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -58,6 +61,10 @@ class SamplingParams:
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (self.seed is None or 0 <= self.seed < 2**63 - 1024, f"seed must be in [0, 2**63), got {self.seed}"),
             (self.logprobs is None or 0 <= self.logprobs <= 20, f"logprobs must be in [0, 20], got {self.logprobs}"),
+            (
+                self.prompt_logprobs is None or 0 <= self.prompt_logprobs <= 20,
+                f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}",
+            ),
             (all(isinstance(text, str) and text for text in self.stop), "stop must be non-empty strings"),
             (len(self.stop) <= MAX_STOP_STRINGS, f"at most {MAX_STOP_STRINGS} stop strings, got {len(self.stop)}"),
             (
@@ -92,6 +99,24 @@ class SamplingParams:
     @property
     def penalized(self) -> bool:
         return bool(self.presence_penalty or self.frequency_penalty) or self.repetition_penalty != 1.0
+
+
+def prompt_token_logprobs(logits: torch.Tensor, targets: list[int], top: int) -> tuple[list[dict[int, float]], list]:
+    """logits [n, vocab] after n prompt positions, targets: the n tokens that follow them -> per
+    position, the target's log-probability and the `top` likeliest tokens' (target first), and
+    the target's rank in the vocabulary (1: the likeliest)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    chosen_values = log_probs[torch.arange(len(targets)), torch.tensor(targets, device=logits.device)]
+    ranks = ((log_probs > chosen_values[:, None]).sum(dim=-1) + 1).tolist()
+    chosen = chosen_values.tolist()
+    best = log_probs.topk(top, dim=-1) if top else None
+    entries = []
+    for row, (target, value) in enumerate(zip(targets, chosen)):
+        entry = {target: value}
+        if best is not None:
+            entry.update(zip(best.indices[row].tolist(), best.values[row].tolist()))
+        entries.append(entry)
+    return entries, ranks
 
 
 @dataclass

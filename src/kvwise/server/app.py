@@ -30,7 +30,7 @@ from kvwise.kv.quantizer import make_quantizer, quantizer_names
 from kvwise.server.api_keys import KeyEntry, find_key
 from kvwise.server.async_engine import AsyncEngine, EngineFailure
 from kvwise.server.metrics import ServerMetrics
-from kvwise.server.openai_format import Formatter
+from kvwise.server.openai_format import Echo, Formatter
 from kvwise.server.openapi import install_openapi, request_body
 from kvwise.server.protocol import (
     IGNORED_FIELDS,
@@ -322,7 +322,8 @@ class RequestHandlers:
             return Response(status_code=CLIENT_CLOSED_REQUEST)
         cached = self._cached_tokens(requests, params.n)
         return JSONResponse(
-            formatter.response(completions, prompt_tokens, top, kv_usage(requests), cached), headers=headers
+            formatter.response(completions, prompt_tokens, top, kv_usage(requests), cached, echo=_echo(body, prompts)),
+            headers=headers,
         )
 
     async def _parse(self, http: Request, model):
@@ -453,9 +454,10 @@ class RequestHandlers:
         return [self.core.encode(text, add_special_tokens=False)]  # the template holds the special tokens
 
     def _sampling(self, body, chat: bool, longest_prompt: int) -> SamplingParams:
-        if not chat and body.echo:
-            raise OpenAIError(400, "echo is not supported", param="echo")
+        prompt_logprobs = None if chat else scored_prompt(body)
         max_tokens = (body.max_completion_tokens or body.max_tokens) if chat else body.max_tokens
+        if max_tokens == 0 and not chat and body.echo:
+            max_tokens = 1  # the prompt alone is scored; the one token computed with it is not returned
         if max_tokens is None:
             room = (self.core.max_positions or longest_prompt + self.settings.default_max_tokens) - longest_prompt
             max_tokens = max(1, min(self.settings.default_max_tokens, room))
@@ -475,6 +477,7 @@ class RequestHandlers:
                 stop=[body.stop] if isinstance(body.stop, str) else list(body.stop or []),
                 n=body.n,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 ignore_eos=body.ignore_eos,
                 presence_penalty=body.presence_penalty,
                 frequency_penalty=body.frequency_penalty,
@@ -614,6 +617,27 @@ class RequestHandlers:
         finally:
             if remaining:  # the client went away (the generator was cancelled or closed)
                 self.engine.abort(list(remaining))
+
+
+def scored_prompt(body) -> int | None:
+    """SamplingParams.prompt_logprobs for a completion request: echo with logprobs, or vLLM's
+    prompt_logprobs field (the larger of the two when both ask). 400 for what cannot be served."""
+    if body.stream and (body.echo or body.prompt_logprobs is not None):
+        field = "echo" if body.echo else "prompt_logprobs"
+        raise OpenAIError(400, f"{field} with stream is not supported; leave out stream", param=field)
+    asked = [value for value in (body.logprobs if body.echo else None, body.prompt_logprobs) if value is not None]
+    return max(asked) if asked else None
+
+
+def _echo(body, prompts: list[list[int]]):
+    """What `Formatter.response` echoes: (the prompts' token ids, whether the output is dropped,
+    vLLM's prompt_logprobs asked), or None."""
+    chat = not hasattr(body, "echo")
+    if chat or not (body.echo or body.prompt_logprobs is not None):
+        return None
+    return Echo(
+        prompts, body.n, echo=body.echo, score_only=body.max_tokens == 0, by_id=body.prompt_logprobs is not None
+    )
 
 
 def ignored_fields(body) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import dataclass, replace
 
 
 def new_id(prefix: str) -> str:
@@ -26,6 +27,19 @@ def usage(prompt_tokens: int, completion_tokens: int, kv: dict | list | None = N
     return body
 
 
+@dataclass(frozen=True)
+class Echo:
+    """What a completions response repeats of its prompts: prompts [prompt][token] (a choice's is
+    prompts[index // n]); echo: the prompt's text and tokens first; score_only: max_tokens 0, so
+    the generated token is left out; by_id: vLLM's prompt_logprobs field."""
+
+    prompts: list[list[int]]
+    n: int
+    echo: bool
+    score_only: bool
+    by_id: bool
+
+
 class Formatter:
     """Builds one response's objects; `chat` picks chat.completion(.chunk) or text_completion."""
 
@@ -38,21 +52,78 @@ class Formatter:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices}
 
-    def response(self, completions, prompt_tokens: int, top_logprobs: int = 0, kv=None, cached_tokens: int = 0) -> dict:
-        """completions: CompletionOutputs, one per choice; kv: see `usage`."""
+    def response(
+        self, completions, prompt_tokens: int, top_logprobs: int = 0, kv=None, cached_tokens: int = 0, echo=None
+    ) -> dict:
+        """completions: CompletionOutputs, one per choice; kv: see `usage`; echo: an `Echo`, or None."""
         choices = []
         for completion in completions:
+            if echo is not None and echo.score_only:  # max_tokens 0: the token computed with it is not an answer
+                completion = replace(completion, text="", token_ids=[], logprobs=[] if completion.logprobs else None)
             choice = {"index": completion.index, "finish_reason": completion.finish_reason}
             logprobs = self.logprobs(completion.token_ids, completion.logprobs, top_logprobs)
             if self.chat:
                 choice["message"] = {"role": "assistant", "content": completion.text}
             else:
                 choice["text"] = completion.text
+            if echo is not None:
+                prompt = echo.prompts[completion.index // echo.n]
+                if echo.echo:
+                    choice["text"] = self.tokenizer.decode(prompt) + completion.text
+                    if logprobs is not None:
+                        logprobs = self.echoed_logprobs(prompt, completion.prompt_logprobs, top_logprobs, logprobs)
+                if echo.by_id:
+                    choice["prompt_logprobs"] = self.prompt_logprobs_by_id(
+                        prompt, completion.prompt_logprobs, completion.prompt_ranks
+                    )
             choice["logprobs"] = logprobs
             choices.append(choice)
         body = self._envelope(sorted(choices, key=lambda c: c["index"]), chunk=False)
         body["usage"] = usage(prompt_tokens, sum(len(c.token_ids) for c in completions), kv, cached_tokens)
         return body
+
+    def echoed_logprobs(self, prompt: list[int], prompt_logprobs, top: int, generated: dict) -> dict:
+        """The legacy completions shape with the prompt's tokens first, as lm-evaluation-harness
+        reads it (`token_logprobs[context:-1]`): the first prompt token's entries are null."""
+        piece = self.tokenizer.convert_ids_to_tokens
+        tokens, token_logprobs, top_logprobs, offsets, offset = [], [], [], [], 0
+        for token, options in zip(prompt, prompt_logprobs):
+            tokens.append(piece(token))
+            offsets.append(offset)
+            offset += len(self.tokenizer.decode([token]))
+            if options is None:
+                token_logprobs.append(None)
+                top_logprobs.append(None)
+                continue
+            token_logprobs.append(options[token])
+            best = sorted(options.items(), key=lambda item: -item[1])[:top]
+            top_logprobs.append({piece(t): p for t, p in best})
+        return {
+            "tokens": tokens + generated["tokens"],
+            "token_logprobs": token_logprobs + generated["token_logprobs"],
+            "top_logprobs": top_logprobs + generated["top_logprobs"],
+            "text_offset": offsets + [offset + start for start in generated["text_offset"]],
+        }
+
+    def prompt_logprobs_by_id(self, prompt: list[int], prompt_logprobs, ranks) -> list:
+        """vLLM's `prompt_logprobs`: per prompt token None (the first) or {token id: {logprob, rank,
+        decoded_token}} for the token itself (its rank in the vocabulary) and the top alternatives
+        (ranks 1, 2, ...)."""
+        entries = []
+        for token, options, rank in zip(prompt, prompt_logprobs, ranks):
+            if options is None:
+                entries.append(None)
+                continue
+            alternatives = sorted((item for item in options.items() if item[0] != token), key=lambda item: -item[1])
+            # an alternative's rank counts the prompt token too when that one is likelier
+            ranked = [
+                (token, options[token], rank),
+                *((t, p, i + 1 if i + 1 < rank else i + 2) for i, (t, p) in enumerate(alternatives)),
+            ]
+            entries.append(
+                {str(t): {"logprob": p, "rank": r, "decoded_token": self.tokenizer.decode([t])} for t, p, r in ranked}
+            )
+        return entries
 
     def chunk(
         self, index: int, text: str | None, finish_reason: str | None, first: bool = False, logprobs: dict | None = None

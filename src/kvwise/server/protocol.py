@@ -119,9 +119,10 @@ class _Sampling(KVOptions):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = 16
+    max_tokens: int | None = 16  # 0 with echo: score the prompt, generate nothing
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool = False  # the prompt comes back before the text; with logprobs, its tokens' too
+    prompt_logprobs: int | None = None  # extension, as in vLLM: the prompt tokens' logprobs by token id
 
 
 class TextPart(_Strict):

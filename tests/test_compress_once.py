@@ -126,3 +126,24 @@ def test_a_tier_entry_of_an_older_format_is_a_miss(llama, monkeypatch, tmp_path)
     again = _ask(core, QUESTIONS[1])
     assert not again.compressed_hit and core.kv.compressed.restored == 0
     assert tier.stats.corrupt > 0  # read, refused, deleted
+
+
+def test_a_region_of_the_previous_stored_form_is_a_miss(llama, monkeypatch, tmp_path):
+    """Quantized regions before sinks and group-sized pages (`kvwise-head-region/1`) do not fit
+    today's pages: such an entry is a miss, computed again, never misread."""
+    from kvwise.engine import compressed_payload
+    from kvwise.tiers.disk import DiskTier
+
+    mix = "snapkv@0.7+kivi4:group_size=4,residual_length=4"
+    core = EngineCore(
+        llama, None, CacheConfig(block_size=4, num_blocks=48, token_budget=128), tiers=[DiskTier(tmp_path)]
+    )
+    monkeypatch.setattr(compressed_payload, "FORMAT", "kvwise-head-region/1")
+    first = _ask(core, QUESTIONS[0], mix)
+    for seed in range(8):
+        _ask(core, QUESTIONS[0], mix, document=random_ids(1, 80, seed=40 + seed)[0].tolist())
+    assert core.kv.compressed.spilled > 0
+    monkeypatch.setattr(compressed_payload, "FORMAT", "kvwise-head-region/2")
+    again = _ask(core, QUESTIONS[0], mix)
+    assert not again.compressed_hit and core.kv.compressed.restored == 0
+    assert again.output == first.output  # computed again, to the same answer

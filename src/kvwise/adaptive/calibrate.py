@@ -216,7 +216,7 @@ def measure_in_engine(model, tokenizer, mix: str, probes: list[tuple[int, Probe]
                 continue
             if request.output or (request.prompt_logprobs is None and request.computed >= request.compression_point):
                 held[id(request)] = core.kv.request_bytes(request)
-            elif request.prompt_logprobs is not None and request.computed >= request.compression_point:
+            elif request.prompt_logprobs is not None and _compressed(request):
                 # a chat probe: what its compressed prompt holds, before the continuation is read
                 held.setdefault(id(request), core.kv.request_bytes(request))
     seconds = time.perf_counter() - started
@@ -236,6 +236,15 @@ def measure_in_engine(model, tokenizer, mix: str, probes: list[tuple[int, Probe]
             row["tokens"] = list(request.output[:AGREEMENT_TOKENS])
         rows[index] = {**row, "seconds": seconds * length / prompt_tokens, "prompt_tokens": length}
     return rows
+
+
+def _compressed(request) -> bool:
+    """Its prompt's compression is done: the point is computed and any eviction (a KVzip pass
+    included) has run."""
+    settings = request.kv
+    evicting = settings is not None and settings.evicts and settings.ratio > 0
+    done = request.reconstruction is None and (request.region is not None or not evicting)
+    return request.computed >= request.compression_point and done
 
 
 def _continuation_length(probe: Probe) -> int:

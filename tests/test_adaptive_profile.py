@@ -5,9 +5,12 @@ how a model's profile is found (or refused, naming the command)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
+import torch
 
+import kvwise
 import kvwise.adaptive.calibrate as calibrate
 from kvwise.adaptive.calibrate import CalibrateConfig, run_calibrate
 from kvwise.adaptive.profile import CLASSES, Profile, find_profile, require_profile
@@ -79,6 +82,13 @@ def test_calibrate_writes_a_profile_keyed_by_the_weights(tiny, documents, tmp_pa
     assert basis.fingerprint == fingerprint and set(basis.info["held_out_relative_error"]) == {"keys", "values"}
     # the user's profile directory is where auto looks first
     assert find_profile(fingerprint, path).fingerprint == fingerprint
+    # how it was made, enough to make it again
+    made = profile.provenance
+    assert made.seed == 0 and made.probes == profile.probes == {"retrieval": 2, "chat": 1, "long_generation": 1}
+    assert made.data == profile.data and made.dtype == "float32" and made.device.startswith("cpu: ")
+    assert made.kvwise == kvwise.__version__ and made.date.startswith("20") and made.torch == torch.__version__
+    assert made.command.startswith("run_calibrate(CalibrateConfig(") and "data=" in made.command
+    assert f"Made by `{made.command}`" in table
 
 
 def test_an_interrupted_calibration_resumes(tiny, documents, tmp_path, monkeypatch):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shlex
 import sys
 from pathlib import Path
 
@@ -176,6 +177,7 @@ def _command_calibrate(args) -> None:
     mixes = tuple(part.strip() for part in args.mixes.split(",") if part.strip()) if args.mixes else DEFAULT_MIXES
     config = CalibrateConfig(args.model, args.data, mixes, None, args.budget_minutes, args.seed, args.quick)
     config.surrogate = args.surrogate
+    config.command = shlex.join(["kvwise", *sys.argv[1:]])
     path = run_calibrate(config, args.out, resume=not args.no_resume)
     if path.name.endswith(".kvzap.safetensors"):
         print(f"kvzap surrogate: {path}")

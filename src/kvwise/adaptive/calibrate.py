@@ -21,8 +21,11 @@ from __future__ import annotations
 import json
 import logging
 import math
+import os
+import platform
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
@@ -30,7 +33,7 @@ from tqdm import tqdm
 
 from kvwise.adaptive.lowrank_training import fit_basis
 from kvwise.adaptive.probes import AGREEMENT_TOKENS, Probe, agreement, calibration_text, make_probes
-from kvwise.adaptive.profile import CLASSES, MixProfile, Profile, user_profile_path
+from kvwise.adaptive.profile import CLASSES, MixProfile, Profile, Provenance, user_profile_path
 from kvwise.adaptive.surrogate_training import SurrogateConfig, train_surrogate
 from kvwise.core.partial import read_partial
 from kvwise.core.plotting import headless_pyplot
@@ -93,6 +96,7 @@ class CalibrateConfig:
     # kvzap's score surrogate and the low-rank codec's bases: "train" (unless already there),
     # "skip", or "only" (no profile)
     surrogate: str = "train"
+    command: str | None = None  # as the user typed it, for the profile's provenance (default: this config)
 
     def __post_init__(self):
         if self.quick and self.mixes == DEFAULT_MIXES:
@@ -171,11 +175,43 @@ def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool
                 bar.update(1)
     profile = build_profile(rows, probes, name, fingerprint, full_kv_bytes(model, 1, model.dtype.itemsize))
     profile.data = description
+    profile.provenance = provenance(config, description, profile.probes, model)
     path = profile.save(out / f"{fingerprint}.json")
     (out / f"{fingerprint}.md").write_text(markdown(profile))
     plot_fronts(profile, out / f"{fingerprint}.png")
     partial.unlink()
     return path
+
+
+def provenance(config: CalibrateConfig, data: str, probes: dict[str, int], model) -> Provenance:
+    """What a reader needs to make the profile again, and to know what it was measured on."""
+    import kvwise
+
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        hardware = f"cuda: {torch.cuda.get_device_name(device)}"
+    else:
+        cpu = platform.processor() or platform.machine()
+        hardware = f"cpu: {cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} threads"
+    command = config.command
+    if command is None:  # called from Python: the call, with the settings that differ from the defaults
+        changed = [
+            f"{item.name}={getattr(config, item.name)!r}"
+            for item in fields(config)
+            if item.name not in ("probes", "mixes") and getattr(config, item.name) != item.default
+        ]
+        command = f"run_calibrate(CalibrateConfig({', '.join(changed)}))"
+    return Provenance(
+        kvwise=kvwise.__version__,
+        date=datetime.now(UTC).isoformat(timespec="seconds"),
+        command=command,
+        seed=config.seed,
+        data=data,
+        probes=dict(probes),
+        dtype=str(model.dtype).removeprefix("torch."),
+        device=hardware,
+        torch=torch.__version__,
+    )
 
 
 def measure_in_engine(model, tokenizer, mix: str, probes: list[tuple[int, Probe]]) -> dict[int, dict]:
@@ -347,6 +383,15 @@ def markdown(profile: Profile) -> str:
         f"Calibration profile of {profile.model} (weights {profile.fingerprint}), probes from {profile.data}: "
         + ", ".join(f"{count} {klass}" for klass, count in profile.probes.items()),
         "",
+    ]
+    made = profile.provenance
+    if made is not None:
+        lines += [
+            f"Made by `{made.command}` (seed {made.seed}) with kvwise {made.kvwise} on {made.date}; "
+            f"{made.dtype} on {made.device}, torch {made.torch}.",
+            "",
+        ]
+    lines += [
         "| mix | bytes vs full | extra s/token | " + " | ".join(CLASSES) + " | on the front of |",
         "|---|---|---|" + "---|" * len(CLASSES) + "---|",
     ]

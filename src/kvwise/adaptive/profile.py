@@ -43,6 +43,23 @@ class MixProfile:
         return parse_mix(self.mix).quant
 
 
+@dataclass(frozen=True)
+class Provenance:
+    """How a profile was made, enough to make it again: kvwise's version, the UTC date (ISO 8601),
+    the command as typed (or the Python call), the probe seed, what the probe text came from, the
+    probes per class, and what it ran on (the model's dtype, the device, torch's version)."""
+
+    kvwise: str
+    date: str
+    command: str
+    seed: int
+    data: str
+    probes: dict[str, int]
+    dtype: str
+    device: str
+    torch: str
+
+
 @dataclass
 class Profile:
     model: str
@@ -52,6 +69,7 @@ class Profile:
     data: str = "built-in essays"  # what the probes were made from
     probes: dict[str, int] = field(default_factory=dict)  # class -> probes per mix
     format: int = FORMAT
+    provenance: Provenance | None = None  # None in a profile written before kvwise recorded it
 
     # ---- reads -----------------------------------------------------------------------------------
     def get(self, mix: str) -> MixProfile | None:
@@ -96,7 +114,13 @@ class Profile:
                 raise ValueError(f"profile entry {entry.mix!r} has no quality for {', '.join(missing)}")
         if not any(entry.mix == "full" for entry in mixes):
             raise ValueError("a profile must measure the 'full' mix, the reference of every quality")
-        return cls(**{**data, "mixes": mixes})
+        provenance = data.get("provenance")
+        if provenance is not None:
+            try:
+                provenance = Provenance(**provenance)
+            except TypeError as error:
+                raise ValueError(f"the profile's provenance does not read: {error}") from None
+        return cls(**{**data, "mixes": mixes, "provenance": provenance})
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

@@ -5,7 +5,6 @@ how a model's profile is found (or refused, naming the command)."""
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import pytest
 import torch

@@ -73,6 +73,27 @@ def test_a_continuation_is_scored_under_the_compressed_quantized_context():
     assert all(math.isfinite(value) for value in got.tolist())
 
 
+@pytest.mark.parametrize("quant", ["kivi2:residual_length=8:group_size=8", None])
+def test_a_continuation_is_scored_by_forced_token_decoding_as_generation_read_it(quant):
+    """Scoring the tokens a request generated, after the same compressed prompt, gives each the
+    log-probability it was generated with: they are read one a step, as decoding reads them, so
+    tokens settle into 2-bit groups (and a cap evicts) at the same points."""
+    model = TINY_MODELS["llama"]()
+    prompt = random_ids(1, 60, seed=5)[0].tolist()
+    core = EngineCore(model, None, CacheConfig(block_size=4, num_blocks=256, prefix_caching=False))
+    settings = KVSettings("snapkv", ratio=0.5, quant=quant) if quant else KVSettings("streaming_llm", ratio=0.5, max_kv_tokens=40)
+    generated = core.make_request(prompt, SamplingParams(temperature=0, max_tokens=48, logprobs=0), kv=settings)
+    core.add(generated)
+    while core.has_work:
+        core.step()
+    assert generated.error is None and len(generated.output) == 48
+    expected = torch.tensor([entry[token] for entry, token in zip(generated.logprobs, generated.output)])
+    ids = torch.tensor([prompt + generated.output[:-1]])
+    scored = _score(core, ids, kv=settings, compress_upto=len(prompt))
+    got = torch.tensor([next(iter(entry.values())) for entry in scored.prompt_logprobs[len(prompt) :]])
+    torch.testing.assert_close(got, expected[:-1], atol=1e-4, rtol=0)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model, tokenizer = load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))), device="cpu")

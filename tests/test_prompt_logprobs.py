@@ -81,7 +81,10 @@ def test_a_continuation_is_scored_by_forced_token_decoding_as_generation_read_it
     model = TINY_MODELS["llama"]()
     prompt = random_ids(1, 60, seed=5)[0].tolist()
     core = EngineCore(model, None, CacheConfig(block_size=4, num_blocks=256, prefix_caching=False))
-    settings = KVSettings("snapkv", ratio=0.5, quant=quant) if quant else KVSettings("streaming_llm", ratio=0.5, max_kv_tokens=40)
+    if quant:
+        settings = KVSettings("snapkv", ratio=0.5, quant=quant)
+    else:
+        settings = KVSettings("streaming_llm", ratio=0.5, max_kv_tokens=40)
     generated = core.make_request(prompt, SamplingParams(temperature=0, max_tokens=48, logprobs=0), kv=settings)
     core.add(generated)
     while core.has_work:

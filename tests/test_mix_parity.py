@@ -8,7 +8,7 @@ decoding) and through the engine (`compress_upto`, greedy). Then, in this order:
 - the first 16 greedy tokens are the same (or part only where the library's top two logits tie
   within 1e-3, which a random tiny model does now and then);
 - the bytes the KV is stored in (codes, scales, sinks) agree within one quantized page per
-  (layer, KV head).
+  (layer, KV head), and each head keeps whole pages after its sinks (`fill_pages`).
 
 Query-agnostic: the context is compressed, then the question read. Query-aware: all but the
 prompt's last token are compressed. The whole cross product runs on Llama; Qwen2 and Gemma-2
@@ -28,6 +28,8 @@ from kvwise.hf.cache import KVWiseCache
 from kvwise.hf.fingerprint import weights_fingerprint
 from kvwise.hf.layer import CompressingLayer
 from kvwise.kv.lowrank_basis import user_basis_path
+from kvwise.kv.quantizer import make_quantizer
+from kvwise.kv.stored_form import StoredForm
 from kvwise.policies.registry import policy_classes
 from tests.conftest import TINY_MODELS, random_ids
 from tests.test_lowrank import random_basis
@@ -36,7 +38,7 @@ pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("kvzap_surrogate
 
 EVICTING = sorted(name for name, policy in policy_classes().items() if not policy.keeps_everything)
 QUANTIZERS = ["kivi2", "kivi4", "int8", "fp8", "lowrank:r=8+kivi4"]
-CONTEXT, QUESTION, NEW_TOKENS, RATIO = 70, 6, 16, 0.5
+CONTEXT, QUESTION, NEW_TOKENS, RATIO = 120, 6, 16, 0.5
 # A rounding tie can flip one code between the paths (their attention sums in another order):
 # one quantization step on a few entries. The relative difference of a head's rows stays far
 # under the codec's own error (about 0.05 for kivi4, 0.2 for kivi2, 0.004 for int8).
@@ -112,12 +114,14 @@ def _check(model, policy, quant, mode, bases=None):
     upto = CONTEXT if mode == "agnostic" else CONTEXT + QUESTION - 1
     library, library_tokens, library_bytes = _library(model, ids, upto, policy, quant)
     engine, engine_tokens = _engine(model, ids, upto, policy, quant)
-    heads = 0
+    heads, form = 0, StoredForm.of(make_quantizer(quant))
     for layer, library_heads in library.items():
         for head, (positions, keys, values) in enumerate(library_heads):
             engine_positions, engine_keys, engine_values = engine["layers"][layer][head]
             where = f"layer {layer} head {head}"
             assert engine_positions.tolist() == positions.tolist(), f"{where}: other tokens kept"
+            quantized = len(positions) - form.sinks(len(positions))
+            assert quantized % form.page_tokens() == 0 or len(positions) == upto, f"{where}: a page part empty"
             for name, ours, theirs in (("keys", engine_keys, keys), ("values", engine_values, values)):
                 difference = float((ours.float() - theirs.float()).norm() / theirs.float().norm().clamp_min(1e-12))
                 assert difference <= TOLERANCE[quant], f"{where}: {name} differ by {difference:.4f}"

@@ -138,14 +138,22 @@ def test_cache_bytes_are_the_sum_of_its_tensors(llama):
 
 
 def test_evict_then_quantize_composes(tiny_model):
-    ids = random_ids(1, 64)
+    ids = random_ids(1, 200)
     plain = KVWiseCache(tiny_model, "snapkv", compression_ratio=0.75)
     mixed = KVWiseCache(tiny_model, "snapkv", compression_ratio=0.75, quant="kivi4")
     with torch.no_grad():
         plain.compress_context(ids)
         mixed.compress_context(ids)
+    page, sinks = 32, 1  # kivi4's key group, and its one sink per head
     for (_, kept_plain), (_, kept_mixed) in zip(plain.kept_tokens().items(), mixed.kept_tokens().items()):
-        assert torch.equal(kept_plain, kept_mixed)  # the policy chose, the quantizer stored
+        # the policy chose, the quantizer stored: the page the last tokens start is filled
+        assert torch.equal(kept_mixed, sinks + (kept_plain - sinks + page - 1) // page * page)
+    for plain_layer, mixed_layer in zip(plain.compressing_layers, mixed.compressing_layers):
+        held = [(layer.kept_positions()[0], layer.padded()[2][0]) for layer in (plain_layer, mixed_layer)]
+        (plain_positions, plain_valid), (mixed_positions, mixed_valid) = held
+        for head in range(plain_positions.shape[0]):  # filling only adds: every token the policy kept stays
+            kept = set(plain_positions[head][plain_valid[head]].tolist())
+            assert kept <= set(mixed_positions[head][mixed_valid[head]].tolist())
     assert mixed.nbytes() < 0.5 * plain.nbytes()
     stats = mixed.stats()
     assert stats["quantizer"] == "kivi4" and len(stats["layers"]) == len(mixed.compressing_layers)
@@ -155,7 +163,7 @@ def test_evict_then_quantize_composes(tiny_model):
         out = tiny_model.generate(
             torch.cat([ids, random_ids(1, 5, seed=3)], 1), cache=mixed, max_new_tokens=20, do_sample=False
         )
-    assert out.shape[1] == 64 + 5 + 20
+    assert out.shape[1] == 200 + 5 + 20
     assert mixed.stats()["layers"][0]["residual_tokens"] == 2 * (5 + 19)  # new tokens stay exact for now
 
 

@@ -93,9 +93,9 @@ class ByteSizer:
     def solve(self, mix: Mix, num_tokens: int, budget: float, page_tokens: int = 1) -> Solved:
         """The ratio at which `mix` holds `budget` of a 16-bit full cache of `num_tokens` tokens.
 
-        page_tokens: the tokens of one head in one page of the path's store; a head's last page
-        is padded, on average by half a page, which the budget pays for (1: the library's cache,
-        which pads nothing)."""
+        page_tokens: the tokens of one head in one page of the mix's stored form; a head's last
+        page is paid for whole, on average half a page more than the ratio keeps, which the budget
+        pays for (a quantized mix fills it with tokens on both paths; 1: nothing is paged)."""
         # KIVI rounds groups per head, and a global selection spreads tokens unevenly over heads:
         # aim a hair under the budget so the bytes really held stay within it
         allowed = budget * full_kv_bytes(self.model, num_tokens, 2) * (1 - MARGIN)

@@ -33,6 +33,7 @@ from kvwise.core.partial import read_partial
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.generation import greedy_continue
 from kvwise.kv.quantizer import make_quantizer
+from kvwise.kv.stored_form import StoredForm
 from kvwise.policies.registry import make_policy
 from kvwise.policies.selection import check_ratio
 
@@ -318,7 +319,9 @@ class LibraryTrials:
         self.model, self.tokenizer = model, tokenizer
 
     def page_tokens(self, quant: str | None) -> int:
-        return 1  # the library holds each head's tokens exactly: nothing pads them
+        """A quantized mix keeps whole pages of its stored form (`fill_pages`), as the engine does,
+        so a budget sets both paths the same ratio; unquantized, nothing pads a head's tokens."""
+        return 1 if quant is None else StoredForm.of(make_quantizer(quant)).page_tokens()
 
     def refuses(self, policy, ratio, quant, options) -> str | None:
         return None

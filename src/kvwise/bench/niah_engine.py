@@ -42,7 +42,7 @@ class EngineTrials:
         page is padded (half a page per head on average, which a byte budget pays for)."""
         if quant is None:
             return self.llm.engine.kv.head_pages.page_tokens
-        return StoredForm.of(make_quantizer(quant)).page_tokens(BLOCK_SIZE)
+        return StoredForm.of(make_quantizer(quant)).page_tokens()
 
     def refuses(self, policy: str, ratio: float, quant, options) -> str | None:
         """Why the engine does not run this cell (one line), or None."""

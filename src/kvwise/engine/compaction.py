@@ -11,7 +11,8 @@ in `kept()`, after the forward (and after KVzip's reconstruction pass, `Reconstr
 Budgets are the library path's (`policies.selection`): a ratio compaction keeps
 `head_budgets(policy, ratio, tokens)` per head (per-layer weights for PyramidKV, shared within a
 layer for Ada-KV, across all layers for KVzip); a cap (`max_kv_tokens`) then keeps at most `cap`
-per head by the policy's decode-time scores.
+per head by the policy's decode-time scores. A quantized mix's ratio then fills each head's last
+quantized page with its next-best tokens (`fill_pages`), as the library's cache does.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 
 from kvwise.engine.head_region import HeadRegion
 from kvwise.kv.paged import PagedKVStorage
+from kvwise.kv.stored_form import fill_pages
 from kvwise.policies.base import PROTECTED, Policy, keep_top_per_head
 from kvwise.policies.scoring_input import ScoringInput
 from kvwise.policies.selection import head_budgets, select_across_layers, select_in_layer
@@ -107,6 +109,7 @@ class Compaction:
     rotate_queries: object = None
     windows: tuple = ()  # per layer: its sliding window (it keeps the window, nothing is scored), or None
     chunk: object = None  # the scheduler's Chunk this compaction belongs to
+    fill: tuple[int, int] | None = None  # (page_tokens, sinks) of a quantized mix's pages, else None
     first: int = 0
     last: int = 0
     keep: dict[int, torch.Tensor] = field(default_factory=dict)  # layer -> [kv_heads, S] bool
@@ -197,6 +200,12 @@ class Compaction:
             chosen = select_across_layers(self.policy, self.ratio, scores[None], valid[None])[0]
             for rank, layer in enumerate(layers):
                 keep[layer] = chosen[rank, :, : widths[rank]]
+        if self.fill is not None and self.ratio_tokens is not None:
+            page_tokens, sinks = self.fill
+            for layer in layers:
+                scores = self.scores[layer] if self.global_budget else self.ratio_scores[layer]
+                valid, _ = self.private.layer(layer)
+                keep[layer] = fill_pages(keep[layer], scores, valid, page_tokens, sinks)
         if self.cap is not None:
             for layer in layers:
                 mask = keep[layer]

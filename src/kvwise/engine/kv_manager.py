@@ -511,9 +511,17 @@ class KVCacheManager:
                     rotate_queries=self.rotate_queries,
                     windows=windows,
                     chunk=chunk,
+                    fill=self._page_fill(settings.quant) if ratio_now else None,
                 )
             )
         return plans
+
+    def _page_fill(self, quant: str | None) -> tuple[int, int] | None:
+        """(page_tokens, sinks) of the pages a quantized mix's kept tokens go to, or None."""
+        if quant is None:
+            return None
+        form = self.quant_pages(quant).form
+        return form.page_tokens(), form.sink_tokens
 
     def _private(self, request: Request, end: int) -> PrivateKV:
         """The request's private KV once the tokens before position `end` are computed."""

@@ -4,9 +4,11 @@ Evict first, then quantize what is kept: when a compaction writes a request's re
 (layer, KV head) kept, `HeadRegion`), a request with a quantizer gets its pages here instead of
 in the device pool. The pages follow the mix's `StoredForm`, as the library's cache does: each
 head's first `sink_tokens` kept tokens stay in the model's dtype (held by the region), and the
-rest is quantized in pages of one group each (`page_tokens`: a KIVI key group, or the block size
-for per-token codecs), a head's last page padded with copies of its own first row. Pages are
-restored to the model's dtype for attention; the bytes saved are real. Freed pages are zeroed.
+rest is quantized in pages of one group each (`page_tokens`: a KIVI key group, or
+`PER_TOKEN_PAGE` tokens for per-token codecs). A ratio's compaction fills each head's last page
+(`fill_pages`); a cap's may leave it short, padded with copies of the head's own first row.
+Pages are restored to the model's dtype for attention; the bytes saved are real. Freed pages are
+zeroed.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ class QuantPages:
         self.form = StoredForm.of(self.quantizer)
         layer = storage.keys[0]
         self.page_tokens, self.dtype, self.head_dim = (
-            self.form.page_tokens(storage.block_size),
+            self.form.page_tokens(),
             layer.dtype,
             layer.shape[-1],
         )

@@ -11,6 +11,7 @@ from kvwise.hf.geometry import kv_geometry
 from kvwise.hf.layer import CompressingLayer
 from kvwise.hf.rope import query_rotator
 from kvwise.kv.quantizer import Quantizer, make_quantizer
+from kvwise.kv.stored_form import StoredForm, fill_pages
 from kvwise.policies import selection
 from kvwise.policies.base import Policy
 from kvwise.policies.registry import make_policy
@@ -151,7 +152,17 @@ class KVWiseCache(Cache):
         if self.policy.budget_scope == "global":
             layer.context_scores = self.policy.score(scoring).float()
             return scoring.valid
-        return selection.select_in_layer(self.policy, self.policy.score(scoring), scoring, budgets)
+        scores = self.policy.score(scoring)
+        keep = selection.select_in_layer(self.policy, scores, scoring, budgets)
+        return self._fill_pages(keep, scores, scoring.valid)
+
+    def _fill_pages(self, keep: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """keep, scores, valid: [..., seq_len]. A quantized mix keeps whole pages of its stored form
+        after each head's sinks (`fill_pages`), as the engine's pages hold them."""
+        if self.quantizer is None:
+            return keep
+        form = StoredForm.of(self.quantizer)
+        return fill_pages(keep, scores, valid, form.page_tokens(), form.sink_tokens)
 
     def decode_scores(self, scoring: ScoringInput) -> torch.Tensor:
         scoring.budget = self.max_kv_tokens
@@ -170,6 +181,7 @@ class KVWiseCache(Cache):
         valid = torch.stack([layer.padded()[2] for layer in layers], dim=1)  # [batch, layers, heads, seq]
         scores = torch.stack([layer.context_scores for layer in layers], dim=1)
         keep = selection.select_across_layers(self.policy, self.compression_ratio, scores, valid)
+        keep = self._fill_pages(keep, scores, valid)
         for index, layer in enumerate(layers):
             layer.apply_keep(keep[:, index])
             layer.context_scores = None

@@ -14,8 +14,11 @@ so a mix keeps in the server the quality the library measures:
 When tokens settle: while decoding, `group_size` at a time, oldest first, once the residual
 window holds `residual_length + group_size` of them (`settling`). A compressed context is frozen
 when its compression is done: everything but the sinks is quantized at once; evicting first and
-quantizing what is kept, never the other way round. A sliding-window layer keeps its window in
-the model's dtype (transformers' sliding layers, which the library's cache keeps, hold it so).
+quantizing what is kept, never the other way round. What a head keeps after its sinks fills whole
+pages (`fill_pages`): the page a head's last tokens would pad holds its next-best tokens instead,
+so the bytes a ratio costs buy tokens, and both paths keep the same tokens at the same bytes. A
+sliding-window layer keeps its window in the model's dtype (transformers' sliding layers, which
+the library's cache keeps, hold it so).
 """
 
 from __future__ import annotations
@@ -23,6 +26,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+# Tokens of one head in one page of a per-token codec (int8, fp8, low-rank): no scale spans tokens,
+# so any size works; one size on every path keeps the tokens a page fills the same everywhere.
+PER_TOKEN_PAGE = 16
 
 
 @dataclass(frozen=True)
@@ -37,10 +44,10 @@ class StoredForm:
         groups = quantizer.key_codec.groups_tokens or quantizer.value_codec.groups_tokens
         return cls(quantizer.sink_tokens, quantizer.group_size, quantizer.residual_length, groups)
 
-    def page_tokens(self, block_size: int) -> int:
+    def page_tokens(self) -> int:
         """Tokens of one head in one quantized page: one group where a scale spans tokens (so a
-        page quantizes as the library's group does), else the engine's block size."""
-        return self.group_size if self.groups_tokens else block_size
+        page quantizes as the library's group does), else `PER_TOKEN_PAGE`."""
+        return self.group_size if self.groups_tokens else PER_TOKEN_PAGE
 
     def settling(self, residual: torch.Tensor) -> torch.Tensor:
         """Tokens per head that leave a decoding residual window holding `residual` tokens."""
@@ -68,3 +75,22 @@ def into_pages(rows: torch.Tensor, counts: list[int], page_tokens: int) -> torch
         if count:
             pages.append(head.view(-1, page_tokens, rows.shape[-1]))
     return torch.cat(pages) if pages else rows.new_zeros(0, page_tokens, rows.shape[-1])
+
+
+def fill_pages(keep: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor, page_tokens: int, sinks: int):
+    """keep, scores, valid: [..., S] (one row per head) -> keep with each row's tokens after its
+    `sinks` rounded up to whole pages of `page_tokens`, by the best-scoring valid tokens the row
+    left out (as many as there are). A ratio sets how many tokens a head keeps; the page its last
+    ones start is paid for whole, so it holds tokens rather than padding, on every path alike."""
+    counts = keep.sum(dim=-1)
+    quantized = counts - counts.clamp(max=sinks)
+    spare = valid & ~keep
+    extra = torch.minimum(-quantized % page_tokens, spare.sum(dim=-1))
+    if page_tokens <= 1 or not bool((extra > 0).any()):
+        return keep
+    ranked = scores.float().nan_to_num(nan=float("-inf")).masked_fill(~spare, float("-inf"))
+    order = ranked.argsort(dim=-1, descending=True, stable=True)
+    # a spare token scored -inf still goes before any token that is not spare
+    order = order.gather(-1, spare.gather(-1, order).to(torch.int8).argsort(dim=-1, descending=True, stable=True))
+    take = torch.arange(keep.shape[-1], device=keep.device) < extra[..., None]
+    return keep | torch.zeros_like(keep).scatter(-1, order, take)

@@ -5,6 +5,7 @@ how a model's profile is found (or refused, naming the command)."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,3 +150,17 @@ def test_bad_calibration_options_are_refused(documents):
         from kvwise.adaptive.probes import calibration_text
 
         calibration_text(documents.parent / "empty" if (documents.parent / "empty").mkdir() is None else None)
+
+
+def test_the_shipped_profile_is_what_calibrate_writes_with_its_provenance():
+    """The embedded model's profile in the package was made by `kvwise calibrate` with its defaults,
+    and says so: every default mix on every default probe, and the command that made it."""
+    shipped = sorted((Path(calibrate.__file__).parent / "profiles").glob("*.json"))
+    assert len(shipped) == 1
+    profile = Profile.load(shipped[0])
+    assert [entry.mix for entry in profile.mixes] == list(calibrate.DEFAULT_MIXES)
+    assert profile.probes == calibrate.PROBES
+    made = profile.provenance
+    assert made is not None and made.command == "kvwise calibrate --out src/kvwise/adaptive/profiles"
+    assert made.seed == 0 and made.probes == calibrate.PROBES and made.data == profile.data
+    assert shipped[0].with_suffix(".md").read_text().count("Made by `kvwise calibrate") == 1

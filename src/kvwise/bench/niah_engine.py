@@ -38,8 +38,10 @@ class EngineTrials:
         self.model, self.llm, self.new_tokens = model, engine_for(model, tokenizer, longest), new_tokens
 
     def page_tokens(self, quant: str | None) -> int:
-        """Tokens of one head in one page of what a compressed context is held in: a head's last
-        page is padded (half a page per head on average, which a byte budget pays for)."""
+        """Tokens of one head in one page of what a compressed context is held in. Unquantized,
+        a head's last page is padded (half a page per head on average, which a byte budget pays
+        for); a quantized mix fills it with its next-best tokens (`fill_pages`), as the library
+        does."""
         if quant is None:
             return self.llm.engine.kv.head_pages.page_tokens
         return StoredForm.of(make_quantizer(quant)).page_tokens()

@@ -36,9 +36,9 @@ def test_budget_cells_need_mixes_without_ratios_and_the_library():
         NiahConfig(paths=["engine", "engine"])
 
 
-def test_the_engine_pays_for_padded_pages_in_a_byte_budget(llama):
-    """A head's last page is padded (half a page on average): at one budget the engine keeps fewer
-    tokens than the library, whose groups pad nothing."""
+def test_the_solver_pays_for_padded_pages_in_a_byte_budget(llama):
+    """Where a head's last page is padded (half a page on average), one budget keeps fewer tokens
+    than where nothing pads; the solver charges that half page."""
     sizer = ByteSizer(llama)
     library = sizer.solve(budget_mix("snapkv+kivi4"), 400, 0.1)
     engine = sizer.solve(budget_mix("snapkv+kivi4"), 400, 0.1, page_tokens=32)

@@ -143,7 +143,7 @@ def test_a_region_of_the_previous_stored_form_is_a_miss(llama, monkeypatch, tmp_
     for seed in range(8):
         _ask(core, QUESTIONS[0], mix, document=random_ids(1, 80, seed=40 + seed)[0].tolist())
     assert core.kv.compressed.spilled > 0
-    monkeypatch.setattr(compressed_payload, "FORMAT", "kvwise-head-region/3")
+    monkeypatch.setattr(compressed_payload, "FORMAT", "kvwise-head-region/2")
     again = _ask(core, QUESTIONS[0], mix)
     assert not again.compressed_hit and core.kv.compressed.restored == 0
     assert again.output == first.output  # computed again, to the same answer

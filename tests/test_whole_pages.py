@@ -22,7 +22,7 @@ def _kept(keep: torch.Tensor) -> list[list[int]]:
     return [row.nonzero().flatten().tolist() for row in keep[0]]
 
 
-def test_the_rows_that_would_lose_most_round_up_by_their_best_tokens_and_the_rest_lose_their_worst():
+def test_the_largest_remainders_round_up_by_their_best_tokens_and_the_rest_lose_their_worst():
     scores = torch.tensor(
         [
             [[9.0, 1.0, 2.0, 8.0, 7.0, 6.0, 5.0, 0.0, 0.0, 0.0], [5.0, 5.0, 5.0, 5.0, 1.0, 4.0, 2.0, 3.0, 0.0, 0.0]]
@@ -32,19 +32,17 @@ def test_the_rows_that_would_lose_most_round_up_by_their_best_tokens_and_the_res
     keep = _mask([[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3], [0, 1]], 10)  # after a sink each: 6, 3 and 1 tokens
     valid = torch.ones_like(keep)
     paged = whole_pages(keep, scores, valid, page_tokens=4, sinks=1)
-    # 10 tokens fill 2 pages of 4: row 0 has one; row 1 would lose most (5 + 5 + 5) and gets the other
+    # 10 tokens fill 2 pages of 4: row 0 has one, and the largest remainder (row 1's 3) gets the other
     assert _kept(paged) == [[0, 3, 4, 5, 6], [0, 1, 2, 3, 5], [0]]
 
 
-def test_a_row_that_would_lose_a_protected_token_rounds_up_first_and_loses_it_only_without_a_page():
+def test_a_protected_token_is_never_lost_and_its_row_rounds_up_first():
     scores = torch.ones(1, 2, 12)
     scores[0, 0, 1:7] = PROTECTED  # a recent window, say
     keep = _mask([[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3]], 12)  # 6 and 3 tokens after the sinks
     paged = whole_pages(keep, scores, torch.ones_like(keep), page_tokens=4, sinks=1)
     counts = paged.sum(dim=-1)[0].tolist()
     assert counts == [9, 1] and bool(paged[0, 0, 1:7].all())  # 9 tokens fill 2 pages, both row 0's
-    alone = whole_pages(keep[:, :1], scores[:, :1], torch.ones_like(keep[:, :1]), page_tokens=4, sinks=1)
-    assert _kept(alone) == [[0, 3, 4, 5, 6]]  # 6 tokens fill one page: the two oldest protected go
 
 
 def test_a_row_too_short_to_fill_its_page_keeps_it_part_empty_and_pays_for_it():
@@ -52,7 +50,7 @@ def test_a_row_too_short_to_fill_its_page_keeps_it_part_empty_and_pays_for_it():
     keep = _mask([[0, 1, 2, 3], [0, 1, 2, 3, 4, 5]], 10)  # 3 and 5 after the sinks; row 0 has no room left
     scores = torch.arange(10.0).flip(0).expand(1, 2, 10).clone()
     paged = whole_pages(keep, scores, valid, page_tokens=4, sinks=1)
-    # 8 tokens, 2 pages: row 1 has one whole, row 0 would lose more and keeps the other, part-empty
+    # 8 tokens, 2 pages: row 1 has one whole, row 0's remainder is larger and keeps the other
     assert _kept(paged) == [[0, 1, 2, 3], [0, 1, 2, 3, 4]]
 
 
@@ -79,20 +77,5 @@ def test_invalid_tokens_are_never_taken_and_nan_scores_go_last():
     assert _kept(paged) == [[0, 1, 3, 4, 5]]  # the NaN-scored token goes first
     two_rows = _mask([[0, 1, 2, 3], [0, 1, 2, 3, 4, 5]], 10)  # 3 and 5 after the sinks: 2 pages
     grouped = whole_pages(two_rows, scores.expand(1, 2, 10), valid.expand(1, 2, 10), 4, 1)
-    assert not bool((grouped & ~valid).any())  # row 0 rounds up from valid tokens only
+    assert not bool((grouped & ~valid).any())  # row 0 rounds up (largest remainder) from valid tokens only
     assert _kept(grouped) == [[0, 1, 2, 3, 4], [0, 1, 3, 4, 5]]
-
-
-def test_a_row_is_never_left_with_nothing():
-    keep = _mask([[0, 1, 2], [0, 1, 2, 3, 4, 5]], 10)  # no sinks: 3 and 6 tokens, 2 pages of 4 in all
-    scores = torch.arange(10.0).expand(1, 2, 10).clone()
-    paged = whole_pages(keep, scores, torch.ones_like(keep), page_tokens=4, sinks=0)
-    # row 0 would round down to nothing and takes a page first; row 1 has one whole
-    assert _kept(paged) == [[0, 1, 2, 9], [2, 3, 4, 5]]
-
-
-def test_heads_with_budgets_of_their_own_each_round_up():
-    keep = _mask([[0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3]], 10)  # 6 and 3 after the sinks
-    scores = torch.arange(10.0).flip(0).expand(1, 2, 10).clone()
-    paged = whole_pages(keep, scores, torch.ones_like(keep), page_tokens=4, sinks=1, shared=False)
-    assert _kept(paged) == [[0, 1, 2, 3, 4, 5, 6, 7, 8], [0, 1, 2, 3, 4]]

@@ -17,10 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
-from kvwise.kv.quantizer import make_quantizer, quantizer_names
-from kvwise.kv.stored_form import StoredForm
+from kvwise.kv.quantizer import quantizer_names
 from kvwise.policies.mix import Mix, parse_mix
-from kvwise.policies.registry import make_policy
 
 # evict-and-quantize mixes first: at a few percent of the bytes only they are in reach
 DEFAULT_BUDGET_MIXES = (
@@ -115,15 +113,6 @@ class ByteSizer:
         if tokens < 1:
             return Solved(None, "needs less than one token per head")
         return Solved(1.0 - tokens / num_tokens)
-
-
-def rounded_up_page_tokens(mix: Mix) -> int:
-    """Tokens of one head in a page that a quantized mix rounds up to, or 1: a policy whose heads
-    each keep their own budget (`head` scope) fills each head's last page beyond it, while a
-    shared budget keeps whole pages within it (`selection.whole_pages`)."""
-    if mix.quant is None or make_policy(mix.policy).budget_scope != "head":
-        return 1
-    return StoredForm.of(make_quantizer(mix.quant)).page_tokens()
 
 
 def _kept_per_head(cache: KVWiseCache) -> int:

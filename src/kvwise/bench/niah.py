@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvwise.bench.byte_budget import DEFAULT_BUDGET_MIXES, ByteSizer, budget_mix, check_budgets, rounded_up_page_tokens
+from kvwise.bench.byte_budget import DEFAULT_BUDGET_MIXES, ByteSizer, budget_mix, check_budgets
 from kvwise.bench.environment import system_info
 from kvwise.bench.haystack import (
     DEFAULT_ANSWER_PREFIX,
@@ -33,7 +33,6 @@ from kvwise.core.partial import read_partial
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.generation import greedy_continue
 from kvwise.kv.quantizer import make_quantizer
-from kvwise.policies.mix import Mix
 from kvwise.policies.registry import make_policy
 from kvwise.policies.selection import check_ratio
 
@@ -217,7 +216,7 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
             if budget is not None:
                 mix = budget_mix(name)
                 num_tokens = prompts[trial].context_ids.shape[1]
-                solved = sizer.solve(mix, num_tokens, budget, runner.padded_page_tokens(mix))
+                solved = sizer.solve(mix, num_tokens, budget, runner.padded_page_tokens(mix.quant))
                 if solved.ratio is None:
                     skipped[(name, budget, None, path)] = solved.note
                     continue
@@ -318,11 +317,11 @@ class LibraryTrials:
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
 
-    def padded_page_tokens(self, mix: Mix) -> int:
-        """Tokens of one head in a page whose unfilled part a budget pays for: nothing pads here,
-        but a `head`-scope policy's quantized heads round up to whole pages as the engine's do
-        (`rounded_up_page_tokens`), so a budget sets both paths the same ratio."""
-        return rounded_up_page_tokens(mix)
+    def padded_page_tokens(self, quant: str | None) -> int:
+        """Nothing pads a head's tokens here: a quantized mix keeps whole pages of its stored form
+        within the tokens its ratio keeps (`selection.whole_pages`), as the engine does, so a
+        budget sets both paths the same ratio."""
+        return 1
 
     def refuses(self, policy, ratio, quant, options) -> str | None:
         return None

@@ -11,13 +11,11 @@ from __future__ import annotations
 
 import time
 
-from kvwise.bench.byte_budget import rounded_up_page_tokens
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.llm import LLM
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import full_kv_bytes
-from kvwise.policies.mix import Mix
 from kvwise.policies.registry import make_policy
 
 BLOCK_SIZE = 16
@@ -37,11 +35,12 @@ class EngineTrials:
     def __init__(self, model, tokenizer, longest: int, new_tokens: int = 8):
         self.model, self.llm, self.new_tokens = model, engine_for(model, tokenizer, longest), new_tokens
 
-    def padded_page_tokens(self, mix: Mix) -> int:
-        """Tokens of one head in a page whose unfilled part a compressed context pays for (half a
-        page per head on average, which a byte budget pays for). Unquantized, a head's last page
-        is padded; a quantized mix keeps whole pages as the library does (`rounded_up_page_tokens`)."""
-        return self.llm.engine.kv.head_pages.page_tokens if mix.quant is None else rounded_up_page_tokens(mix)
+    def padded_page_tokens(self, quant: str | None) -> int:
+        """Tokens of one head in a page whose unfilled part a compressed context pays for.
+        Unquantized, a head's last page is padded (half a page per head on average, which a byte
+        budget pays for); a quantized mix keeps whole pages within the tokens its ratio keeps
+        (`selection.whole_pages`), as the library does: nothing is padded."""
+        return self.llm.engine.kv.head_pages.page_tokens if quant is None else 1
 
     def refuses(self, policy: str, ratio: float, quant, options) -> str | None:
         """Why the engine does not run this cell (one line), or None."""

@@ -203,9 +203,7 @@ class Compaction:
         elif self.fill is not None and self.ratio_tokens is not None:  # a layer's heads share its budget
             for layer in layers:
                 valid, _ = self.private.layer(layer)
-                shared = self.policy.budget_scope != "head"
-                scores = self.ratio_scores[layer][None]
-                keep[layer] = whole_pages(keep[layer][None], scores, valid[None], *self.fill, shared=shared)[0]
+                keep[layer] = whole_pages(keep[layer][None], self.ratio_scores[layer][None], valid[None], *self.fill)[0]
         if self.cap is not None:
             for layer in layers:
                 mask = keep[layer]

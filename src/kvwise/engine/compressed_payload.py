@@ -22,9 +22,8 @@ import torch
 
 from kvwise.engine.head_region import HeadRegion
 
-# /2: quantized regions hold sinks and pages of one group (the mix's StoredForm); /3: per-token
-# codecs' pages are 4 tokens (they were 16). An entry of an older format is a miss.
-FORMAT = "kvwise-head-region/3"
+# /2: quantized regions hold sinks and pages of one group (the mix's StoredForm); a /1 entry is a miss
+FORMAT = "kvwise-head-region/2"
 
 
 def write_entry(region: HeadRegion, tokens, reused: int, stats, storage) -> torch.Tensor:

@@ -155,9 +155,7 @@ class KVWiseCache(Cache):
         scores = self.policy.score(scoring)
         keep = selection.select_in_layer(self.policy, scores, scoring, budgets)
         pages = self._pages()
-        if pages is None:
-            return keep
-        return selection.whole_pages(keep, scores, scoring.valid, *pages, shared=self.policy.budget_scope != "head")
+        return keep if pages is None else selection.whole_pages(keep, scores, scoring.valid, *pages)
 
     def _pages(self) -> tuple[int, int] | None:
         """(page_tokens, sinks) of a quantized mix's stored form: its selection keeps whole pages

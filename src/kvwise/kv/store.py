@@ -179,18 +179,14 @@ class KVStore:
         counts = [self.sink_lengths.flatten(), *(part.tokens for part in parts), self.residual_lengths.flatten()]
         sizes = [part.keys.num_tokens for part in parts]
         # One decode over every chunk, then per-chunk views: the op count stays flat as chunks grow.
-        key_parts, value_parts = self._decode(parts, sizes) if parts else ((), ())  # () when only sinks
+        quantizer = self.quantizer
+        heads = torch.cat([self._kv_head_of_rows(part.tokens) for part in parts]) if quantizer.needs_heads else None
+        key_parts = quantizer.key_codec.decode_heads(concat_encoded([p.keys for p in parts]), self.dtype, heads)
+        value_parts = quantizer.value_codec.decode_heads(concat_encoded([p.values for p in parts]), self.dtype, heads)
+        key_parts, value_parts = key_parts.split(sizes), value_parts.split(sizes)
         keys = ragged.pad_parts([self.sink_keys, *key_parts, self.residual_keys], counts, self.grid, width)
         values = ragged.pad_parts([self.sink_values, *value_parts, self.residual_values], counts, self.grid, width)
         return keys, values, valid
-
-    def _decode(self, parts: list, sizes: list[int]) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-        """Every quantized chunk's keys and values [rows, head_dim] in the model's dtype, per chunk."""
-        quantizer = self.quantizer
-        heads = torch.cat([self._kv_head_of_rows(part.tokens) for part in parts]) if quantizer.needs_heads else None
-        keys = quantizer.key_codec.decode_heads(concat_encoded([p.keys for p in parts]), self.dtype, heads)
-        values = quantizer.value_codec.decode_heads(concat_encoded([p.values for p in parts]), self.dtype, heads)
-        return keys.split(sizes), values.split(sizes)
 
     def nbytes(self) -> int:
         """Bytes really held: full-precision rows, codes, scales, minimums, group sizes and lengths."""

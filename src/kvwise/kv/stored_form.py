@@ -29,10 +29,8 @@ from dataclasses import dataclass
 import torch
 
 # Tokens of one head in one page of a per-token codec (int8, fp8, low-rank): no scale spans tokens,
-# so any size works; one size on every path keeps the tokens a page fills the same everywhere. As
-# small as the engine's device head pages: a head that keeps only a policy's 4 sinks then fills
-# its page, where a larger page would cost a tight budget a page of tokens per such head.
-PER_TOKEN_PAGE = 4
+# so any size works; one size on every path keeps the tokens a page fills the same everywhere.
+PER_TOKEN_PAGE = 16
 
 
 @dataclass(frozen=True)

@@ -142,28 +142,21 @@ def with_recent_window(scores: torch.Tensor, valid: torch.Tensor, window: int | 
     return scores.masked_fill(valid & (from_end <= window), PROTECTED)
 
 
-def whole_pages(
-    keep: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor, page_tokens: int, sinks: int, shared: bool = True
-):
+def whole_pages(keep: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor, page_tokens: int, sinks: int):
     """A quantized mix's selection in whole pages of its stored form, within the tokens it kept.
 
     A head's quantized tokens live in pages of `page_tokens` (`kv.stored_form`), and a page its
     last tokens start is paid for whole. So after its `sinks` (its oldest kept tokens, left
     unquantized), each row keeps whole pages, and the rows that share a budget keep no more
-    pages than their tokens fill. A row with a part page either rounds up, by the best tokens it
-    left out, or rounds down, losing its lowest-scored ones; the pages to spare go to the rows
-    that would lose the most score by rounding down, so a protected token (a policy's sinks, a
-    recent window) is lost only where the rows' tokens leave no page for it. A row is never left
-    with nothing (it rounds up, even past the group's pages), and one that rounds up with too few
-    tokens left keeps its last page part-empty. The bytes a ratio costs then buy tokens, not
-    padding, and a byte budget holds on every path alike.
-
-    A policy whose every head keeps its own budget (`head` scope: shared=False) moves no tokens
-    between heads: each row rounds up, and its budget pays for half a page more on average.
+    pages than their tokens fill: the rows with the largest remainders round up, by the best
+    tokens they left out; the others round down, losing their lowest-scored ones. A protected
+    token (a recent window, a shared token) is never lost: a row that would lose one rounds up.
+    A row that rounds up but has too few tokens left keeps its last page part-empty. The bytes a
+    ratio costs then buy tokens, not padding, and a byte budget holds on every path alike.
 
     Args:
         keep, scores, valid: [groups, rows, seq_len]; the rows of a group share one budget (every
-            head of every layer for a global selection, a layer's heads for a `layer` scope).
+            head of every layer for a global selection, a layer's heads otherwise).
     Returns the keep mask, same shape.
     """
     counts = keep.sum(dim=-1)  # [groups, rows]
@@ -172,19 +165,18 @@ def whole_pages(
     if page_tokens <= 1 or not bool((rest > 0).any()):
         return keep
     ranked = scores.float().nan_to_num(nan=float("-inf"))
-    droppable = keep & (keep.cumsum(dim=-1) > sinks)
-    worst = _pick(droppable, ranked, rest, best=False)  # what each row loses if it rounds down
-    loss = torch.where(worst, ranked, 0.0).sum(dim=-1)
-    # pages the group's tokens fill, less those its rows fill whole
-    spare = quantized.sum(dim=-1) // page_tokens - (quantized // page_tokens).sum(dim=-1)
-    # rows with a part page by what they would lose, most first; rows without one after them all;
-    # a row that would be left with nothing (a head that attends to none of the context) first of all
-    loss = torch.where(rest > 0, loss.clamp(min=torch.finfo(loss.dtype).min), float("-inf"))
-    loss = loss.masked_fill((rest > 0) & (counts == rest), float("inf"))
-    place = loss.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-    up = (rest > 0) & ((place < spare[:, None]) | (counts == rest) | (not shared))
+    is_sink = keep & (keep.cumsum(dim=-1) <= sinks)
+    droppable = keep & ~is_sink & (ranked < PROTECTED / 2)
+    must_round_up = (rest > 0) & (droppable.sum(dim=-1) < rest)
+    either = (rest > 0) & ~must_round_up
+    # pages the group's tokens fill, less those its rows fill whole and those held to round up
+    spare = quantized.sum(dim=-1) // page_tokens - (quantized // page_tokens).sum(dim=-1) - must_round_up.sum(dim=-1)
+    # each row's place when the rows free to go either way are ranked by remainder, largest first
+    place = torch.where(either, rest, -1).argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+    up = must_round_up | (either & (place < spare[:, None]))
+    down = either & ~up
     keep = keep | _pick(valid & ~keep, ranked, torch.where(up, page_tokens - rest, 0), best=True)
-    return keep & ~(worst & ((rest > 0) & ~up)[..., None])
+    return keep & ~_pick(droppable, ranked, torch.where(down, rest, 0), best=False)
 
 
 def _pick(among: torch.Tensor, ranked: torch.Tensor, counts: torch.Tensor, best: bool) -> torch.Tensor:

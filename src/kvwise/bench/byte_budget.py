@@ -90,20 +90,17 @@ class ByteSizer:
             self._coefficients[quant] = (held[0] - per_token * kept[0], per_token)
         return self._coefficients[quant]
 
-    def solve(self, mix: Mix, num_tokens: int, budget: float, padded_page_tokens: int = 1) -> Solved:
+    def solve(self, mix: Mix, num_tokens: int, budget: float, page_tokens: int = 1) -> Solved:
         """The ratio at which `mix` holds `budget` of a 16-bit full cache of `num_tokens` tokens.
 
-        padded_page_tokens: the tokens of one head in a page whose unfilled part is paid for (the
-        engine's unquantized head pages): a head's last page is paid for whole, on average half a
-        page more than the ratio keeps, which the budget pays for. 1: nothing is padded (the
-        library, and a quantized mix on either path, whose heads keep whole pages within the
-        tokens the ratio keeps)."""
-        # a global selection spreads a quantized mix's last pages unevenly over heads, and a few
-        # heads too short to fill one keep it part-empty: aim a hair under the budget so the
-        # bytes really held stay within it
+        page_tokens: the tokens of one head in one page of the mix's stored form; a head's last
+        page is paid for whole, on average half a page more than the ratio keeps, which the budget
+        pays for (a quantized mix fills it with tokens on both paths; 1: nothing is paged)."""
+        # KIVI rounds groups per head, and a global selection spreads tokens unevenly over heads:
+        # aim a hair under the budget so the bytes really held stay within it
         allowed = budget * full_kv_bytes(self.model, num_tokens, 2) * (1 - MARGIN)
         fixed, per_token = self.coefficients(mix.quant)
-        fixed += (padded_page_tokens - 1) / 2 * per_token
+        fixed += (page_tokens - 1) / 2 * per_token
         if fixed + per_token * num_tokens <= allowed:
             return Solved(0.0)  # no eviction needed
         if mix.policy == "full":

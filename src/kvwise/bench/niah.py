@@ -33,6 +33,7 @@ from kvwise.core.partial import read_partial
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.generation import greedy_continue
 from kvwise.kv.quantizer import make_quantizer
+from kvwise.kv.stored_form import StoredForm
 from kvwise.policies.registry import make_policy
 from kvwise.policies.selection import check_ratio
 
@@ -216,7 +217,7 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
             if budget is not None:
                 mix = budget_mix(name)
                 num_tokens = prompts[trial].context_ids.shape[1]
-                solved = sizer.solve(mix, num_tokens, budget, runner.padded_page_tokens(mix.quant))
+                solved = sizer.solve(mix, num_tokens, budget, runner.page_tokens(mix.quant))
                 if solved.ratio is None:
                     skipped[(name, budget, None, path)] = solved.note
                     continue
@@ -317,11 +318,10 @@ class LibraryTrials:
     def __init__(self, model, tokenizer):
         self.model, self.tokenizer = model, tokenizer
 
-    def padded_page_tokens(self, quant: str | None) -> int:
-        """Nothing pads a head's tokens here: a quantized mix keeps whole pages of its stored form
-        within the tokens its ratio keeps (`selection.whole_pages`), as the engine does, so a
-        budget sets both paths the same ratio."""
-        return 1
+    def page_tokens(self, quant: str | None) -> int:
+        """A quantized mix keeps whole pages of its stored form (`fill_pages`), as the engine does,
+        so a budget sets both paths the same ratio; unquantized, nothing pads a head's tokens."""
+        return 1 if quant is None else StoredForm.of(make_quantizer(quant)).page_tokens()
 
     def refuses(self, policy, ratio, quant, options) -> str | None:
         return None

@@ -16,6 +16,8 @@ from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.llm import LLM
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import full_kv_bytes
+from kvwise.kv.quantizer import make_quantizer
+from kvwise.kv.stored_form import StoredForm
 from kvwise.policies.registry import make_policy
 
 BLOCK_SIZE = 16
@@ -35,12 +37,14 @@ class EngineTrials:
     def __init__(self, model, tokenizer, longest: int, new_tokens: int = 8):
         self.model, self.llm, self.new_tokens = model, engine_for(model, tokenizer, longest), new_tokens
 
-    def padded_page_tokens(self, quant: str | None) -> int:
-        """Tokens of one head in a page whose unfilled part a compressed context pays for.
-        Unquantized, a head's last page is padded (half a page per head on average, which a byte
-        budget pays for); a quantized mix keeps whole pages within the tokens its ratio keeps
-        (`selection.whole_pages`), as the library does: nothing is padded."""
-        return self.llm.engine.kv.head_pages.page_tokens if quant is None else 1
+    def page_tokens(self, quant: str | None) -> int:
+        """Tokens of one head in one page of what a compressed context is held in. Unquantized,
+        a head's last page is padded (half a page per head on average, which a byte budget pays
+        for); a quantized mix fills it with its next-best tokens (`fill_pages`), as the library
+        does."""
+        if quant is None:
+            return self.llm.engine.kv.head_pages.page_tokens
+        return StoredForm.of(make_quantizer(quant)).page_tokens()
 
     def refuses(self, policy: str, ratio: float, quant, options) -> str | None:
         """Why the engine does not run this cell (one line), or None."""

@@ -11,9 +11,8 @@ in `kept()`, after the forward (and after KVzip's reconstruction pass, `Reconstr
 Budgets are the library path's (`policies.selection`): a ratio compaction keeps
 `head_budgets(policy, ratio, tokens)` per head (per-layer weights for PyramidKV, shared within a
 layer for Ada-KV, across all layers for KVzip); a cap (`max_kv_tokens`) then keeps at most `cap`
-per head by the policy's decode-time scores. A quantized mix's ratio keeps whole quantized pages
-within the tokens it kept, the budget shared as the selection shares it (`whole_pages`), as the
-library's cache does.
+per head by the policy's decode-time scores. A quantized mix's ratio then fills each head's last
+quantized page with its next-best tokens (`fill_pages`), as the library's cache does.
 """
 
 from __future__ import annotations
@@ -24,9 +23,10 @@ import torch
 
 from kvwise.engine.head_region import HeadRegion
 from kvwise.kv.paged import PagedKVStorage
+from kvwise.kv.stored_form import fill_pages
 from kvwise.policies.base import PROTECTED, Policy, keep_top_per_head
 from kvwise.policies.scoring_input import ScoringInput
-from kvwise.policies.selection import head_budgets, select_across_layers, select_in_layer, whole_pages
+from kvwise.policies.selection import head_budgets, select_across_layers, select_in_layer
 
 
 @dataclass
@@ -197,13 +197,15 @@ class Compaction:
             width = max(widths)
             scores = torch.stack([_pad(self.scores[layer], width, 0.0) for layer in layers])
             valid = torch.stack([_pad(keep[layer], width, False) for layer in layers])  # [layers, kv_heads, width]
-            chosen = select_across_layers(self.policy, self.ratio, scores[None], valid[None], self.fill)[0]
+            chosen = select_across_layers(self.policy, self.ratio, scores[None], valid[None])[0]
             for rank, layer in enumerate(layers):
                 keep[layer] = chosen[rank, :, : widths[rank]]
-        elif self.fill is not None and self.ratio_tokens is not None:  # a layer's heads share its budget
+        if self.fill is not None and self.ratio_tokens is not None:
+            page_tokens, sinks = self.fill
             for layer in layers:
+                scores = self.scores[layer] if self.global_budget else self.ratio_scores[layer]
                 valid, _ = self.private.layer(layer)
-                keep[layer] = whole_pages(keep[layer][None], self.ratio_scores[layer][None], valid[None], *self.fill)[0]
+                keep[layer] = fill_pages(keep[layer], scores, valid, page_tokens, sinks)
         if self.cap is not None:
             for layer in layers:
                 mask = keep[layer]

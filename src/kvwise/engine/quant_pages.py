@@ -5,9 +5,8 @@ Evict first, then quantize what is kept: when a compaction writes a request's re
 in the device pool. The pages follow the mix's `StoredForm`, as the library's cache does: each
 head's first `sink_tokens` kept tokens stay in the model's dtype (held by the region), and the
 rest is quantized in pages of one group each (`page_tokens`: a KIVI key group, or
-`PER_TOKEN_PAGE` tokens for per-token codecs). A ratio's compaction keeps whole pages
-(`selection.whole_pages`); a cap's may leave a head's last page short, padded with copies of the
-head's own first row.
+`PER_TOKEN_PAGE` tokens for per-token codecs). A ratio's compaction fills each head's last page
+(`fill_pages`); a cap's may leave it short, padded with copies of the head's own first row.
 Pages are restored to the model's dtype for attention; the bytes saved are real. Freed pages are
 zeroed.
 """

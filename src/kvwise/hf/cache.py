@@ -11,7 +11,7 @@ from kvwise.hf.geometry import kv_geometry
 from kvwise.hf.layer import CompressingLayer
 from kvwise.hf.rope import query_rotator
 from kvwise.kv.quantizer import Quantizer, make_quantizer
-from kvwise.kv.stored_form import StoredForm
+from kvwise.kv.stored_form import StoredForm, fill_pages
 from kvwise.policies import selection
 from kvwise.policies.base import Policy
 from kvwise.policies.registry import make_policy
@@ -154,16 +154,15 @@ class KVWiseCache(Cache):
             return scoring.valid
         scores = self.policy.score(scoring)
         keep = selection.select_in_layer(self.policy, scores, scoring, budgets)
-        pages = self._pages()
-        return keep if pages is None else selection.whole_pages(keep, scores, scoring.valid, *pages)
+        return self._fill_pages(keep, scores, scoring.valid)
 
-    def _pages(self) -> tuple[int, int] | None:
-        """(page_tokens, sinks) of a quantized mix's stored form: its selection keeps whole pages
-        after each head's sinks (`selection.whole_pages`), as the engine's pages hold them."""
+    def _fill_pages(self, keep: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """keep, scores, valid: [..., seq_len]. A quantized mix keeps whole pages of its stored form
+        after each head's sinks (`fill_pages`), as the engine's pages hold them."""
         if self.quantizer is None:
-            return None
+            return keep
         form = StoredForm.of(self.quantizer)
-        return form.page_tokens(), form.sink_tokens
+        return fill_pages(keep, scores, valid, form.page_tokens(), form.sink_tokens)
 
     def decode_scores(self, scoring: ScoringInput) -> torch.Tensor:
         scoring.budget = self.max_kv_tokens
@@ -181,7 +180,8 @@ class KVWiseCache(Cache):
             raise RuntimeError("global selection needs scores from every compressing layer")
         valid = torch.stack([layer.padded()[2] for layer in layers], dim=1)  # [batch, layers, heads, seq]
         scores = torch.stack([layer.context_scores for layer in layers], dim=1)
-        keep = selection.select_across_layers(self.policy, self.compression_ratio, scores, valid, self._pages())
+        keep = selection.select_across_layers(self.policy, self.compression_ratio, scores, valid)
+        keep = self._fill_pages(keep, scores, valid)
         for index, layer in enumerate(layers):
             layer.apply_keep(keep[:, index])
             layer.context_scores = None

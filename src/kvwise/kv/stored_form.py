@@ -15,9 +15,8 @@ When tokens settle: while decoding, `group_size` at a time, oldest first, once t
 window holds `residual_length + group_size` of them (`settling`). A compressed context is frozen
 when its compression is done: everything but the sinks is quantized at once; evicting first and
 quantizing what is kept, never the other way round. What a head keeps after its sinks fills whole
-pages (`policies.selection.whole_pages`): the heads that share a budget round their last pages up
-or down within the tokens the ratio kept, so the bytes a ratio costs buy tokens, not padding, and
-both paths keep the same tokens at the same bytes. A
+pages (`fill_pages`): the page a head's last tokens would pad holds its next-best tokens instead,
+so the bytes a ratio costs buy tokens, and both paths keep the same tokens at the same bytes. A
 sliding-window layer keeps its window in the model's dtype (transformers' sliding layers, which
 the library's cache keeps, hold it so).
 """
@@ -76,3 +75,22 @@ def into_pages(rows: torch.Tensor, counts: list[int], page_tokens: int) -> torch
         if count:
             pages.append(head.view(-1, page_tokens, rows.shape[-1]))
     return torch.cat(pages) if pages else rows.new_zeros(0, page_tokens, rows.shape[-1])
+
+
+def fill_pages(keep: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor, page_tokens: int, sinks: int):
+    """keep, scores, valid: [..., S] (one row per head) -> keep with each row's tokens after its
+    `sinks` rounded up to whole pages of `page_tokens`, by the best-scoring valid tokens the row
+    left out (as many as there are). A ratio sets how many tokens a head keeps; the page its last
+    ones start is paid for whole, so it holds tokens rather than padding, on every path alike."""
+    counts = keep.sum(dim=-1)
+    quantized = counts - counts.clamp(max=sinks)
+    spare = valid & ~keep
+    extra = torch.minimum(-quantized % page_tokens, spare.sum(dim=-1))
+    if page_tokens <= 1 or not bool((extra > 0).any()):
+        return keep
+    ranked = scores.float().nan_to_num(nan=float("-inf")).masked_fill(~spare, float("-inf"))
+    order = ranked.argsort(dim=-1, descending=True, stable=True)
+    # a spare token scored -inf still goes before any token that is not spare
+    order = order.gather(-1, spare.gather(-1, order).to(torch.int8).argsort(dim=-1, descending=True, stable=True))
+    take = torch.arange(keep.shape[-1], device=keep.device) < extra[..., None]
+    return keep | torch.zeros_like(keep).scatter(-1, order, take)

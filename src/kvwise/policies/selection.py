@@ -68,16 +68,9 @@ def select_in_layer(policy: Policy, scores: torch.Tensor, scoring: ScoringInput,
     return keep_top_per_head(scores, scoring.valid, budgets[:, None].expand(-1, scoring.num_kv_heads))
 
 
-def select_across_layers(
-    policy: Policy,
-    ratio: float,
-    scores: torch.Tensor,
-    valid: torch.Tensor,
-    pages: tuple[int, int] | None = None,
-) -> torch.Tensor:
+def select_across_layers(policy: Policy, ratio: float, scores: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Keep mask [batch, num_layers, num_heads, seq_len] for a budget shared by every head of every
-    layer (`global` scope); with `pages` (page_tokens, sinks) of a quantized mix, in whole pages
-    (`whole_pages`, the budget shared as the selection shares it).
+    layer (`global` scope).
 
     scores, valid: [batch, num_layers, num_heads, seq_len]; every head sees the same tokens, so
     valid[:, 0, 0] counts each entry's tokens. With `policy.shared_fraction`, that share of each
@@ -96,12 +89,13 @@ def select_across_layers(
         windows = (per_head * _MOST_BUDGET_TO_WINDOW).long().clamp(max=policy.recent_window)
         scores = with_recent_window(scores, valid, windows)
     most = int(per_head.max())
-    scores = scores.reshape(batch, num_layers * num_heads, seq_len)
-    valid = valid.reshape(batch, num_layers * num_heads, seq_len)
-    keep = keep_top_across(scores, valid, total, policy.head_floor(most), policy.head_ceiling(most))
-    if pages is not None:
-        keep = whole_pages(keep, scores, valid, *pages)
-    return keep.view(batch, num_layers, num_heads, seq_len)
+    return keep_top_across(
+        scores.reshape(batch, num_layers * num_heads, seq_len),
+        valid.reshape(batch, num_layers * num_heads, seq_len),
+        total,
+        policy.head_floor(most),
+        policy.head_ceiling(most),
+    ).view(batch, num_layers, num_heads, seq_len)
 
 
 def with_shared_tokens(scores: torch.Tensor, valid: torch.Tensor, num_shared: torch.Tensor) -> torch.Tensor:
@@ -140,51 +134,3 @@ def with_recent_window(scores: torch.Tensor, valid: torch.Tensor, window: int | 
         window = window.view(-1, *([1] * (valid.dim() - 1)))
     from_end = torch.flip(torch.cumsum(torch.flip(valid.int(), dims=[-1]), dim=-1), dims=[-1])
     return scores.masked_fill(valid & (from_end <= window), PROTECTED)
-
-
-def whole_pages(keep: torch.Tensor, scores: torch.Tensor, valid: torch.Tensor, page_tokens: int, sinks: int):
-    """A quantized mix's selection in whole pages of its stored form, within the tokens it kept.
-
-    A head's quantized tokens live in pages of `page_tokens` (`kv.stored_form`), and a page its
-    last tokens start is paid for whole. So after its `sinks` (its oldest kept tokens, left
-    unquantized), each row keeps whole pages, and the rows that share a budget keep no more
-    pages than their tokens fill: the rows with the largest remainders round up, by the best
-    tokens they left out; the others round down, losing their lowest-scored ones. A protected
-    token (a recent window, a shared token) is never lost: a row that would lose one rounds up.
-    A row that rounds up but has too few tokens left keeps its last page part-empty. The bytes a
-    ratio costs then buy tokens, not padding, and a byte budget holds on every path alike.
-
-    Args:
-        keep, scores, valid: [groups, rows, seq_len]; the rows of a group share one budget (every
-            head of every layer for a global selection, a layer's heads otherwise).
-    Returns the keep mask, same shape.
-    """
-    counts = keep.sum(dim=-1)  # [groups, rows]
-    quantized = counts - counts.clamp(max=sinks)
-    rest = quantized % page_tokens
-    if page_tokens <= 1 or not bool((rest > 0).any()):
-        return keep
-    ranked = scores.float().nan_to_num(nan=float("-inf"))
-    is_sink = keep & (keep.cumsum(dim=-1) <= sinks)
-    droppable = keep & ~is_sink & (ranked < PROTECTED / 2)
-    must_round_up = (rest > 0) & (droppable.sum(dim=-1) < rest)
-    either = (rest > 0) & ~must_round_up
-    # pages the group's tokens fill, less those its rows fill whole and those held to round up
-    spare = quantized.sum(dim=-1) // page_tokens - (quantized // page_tokens).sum(dim=-1) - must_round_up.sum(dim=-1)
-    # each row's place when the rows free to go either way are ranked by remainder, largest first
-    place = torch.where(either, rest, -1).argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
-    up = must_round_up | (either & (place < spare[:, None]))
-    down = either & ~up
-    keep = keep | _pick(valid & ~keep, ranked, torch.where(up, page_tokens - rest, 0), best=True)
-    return keep & ~_pick(droppable, ranked, torch.where(down, rest, 0), best=False)
-
-
-def _pick(among: torch.Tensor, ranked: torch.Tensor, counts: torch.Tensor, best: bool) -> torch.Tensor:
-    """among, ranked: [..., seq_len]; counts: [...] -> a mask of the counts[...] best (or worst)
-    ranked tokens of `among` in each row; a row never gets more than `among` holds."""
-    key = (ranked if best else -ranked).masked_fill(~among, float("-inf"))
-    order = key.argsort(dim=-1, descending=True, stable=True)
-    # a token of `among` ranked -inf still goes before any token outside it
-    order = order.gather(-1, among.gather(-1, order).to(torch.int8).argsort(dim=-1, descending=True, stable=True))
-    take = torch.arange(among.shape[-1], device=among.device) < counts.clamp(min=0)[..., None]
-    return torch.zeros_like(among).scatter(-1, order, take) & among

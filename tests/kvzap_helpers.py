@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwise.hf.fingerprint import weights_fingerprint
 from kvwise.hf.geometry import kv_geometry
 from kvwise.policies.kvzap import KVzapPolicy
 from kvwise.policies.score_surrogate import ScoreSurrogate
+from kvwise.util.fingerprint import weights_fingerprint
 
 
 def random_surrogate(model, seed: int = 0) -> ScoreSurrogate:

@@ -183,7 +183,7 @@ def test_auto_without_a_controller_is_refused(llama):
 
 def test_llm_auto_uses_the_profile_and_a_budget(llama, tmp_path):
     from kvwise.engine.llm import LLM
-    from kvwise.hf.fingerprint import weights_fingerprint
+    from kvwise.util.fingerprint import weights_fingerprint
 
     profile = _profile()
     profile.fingerprint = weights_fingerprint(llama)

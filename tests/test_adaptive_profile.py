@@ -14,10 +14,10 @@ import kvwise
 import kvwise.adaptive.calibrate as calibrate
 from kvwise.adaptive.calibrate import CalibrateConfig, run_calibrate
 from kvwise.adaptive.profile import CLASSES, Profile, find_profile, require_profile
-from kvwise.hf.fingerprint import weights_fingerprint
 from kvwise.kv.lowrank_basis import LowRankBasis
 from kvwise.models import load_model
 from kvwise.policies.score_surrogate import ScoreSurrogate
+from kvwise.util.fingerprint import weights_fingerprint
 from tests.tiny_chars_model import save_tiny_llama
 
 pytestmark = pytest.mark.timeout(300)

@@ -10,7 +10,7 @@ import pytest
 from kvwise.adaptive.probes import calibration_text
 from kvwise.bench.adaptive import AdaptiveBenchConfig, aggregate, markdown, run_adaptive_bench
 from kvwise.bench.adaptive_workload import CLASSES, WorkloadSpec, at_rate, build_workload
-from kvwise.core.essays import split_essays
+from kvwise.util.essays import split_essays
 
 pytestmark = [pytest.mark.timeout(600)]
 

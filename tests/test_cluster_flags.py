@@ -9,7 +9,7 @@ import pytest
 
 from kvwise.cli import build_parser, main
 from kvwise.cluster import launch
-from kvwise.core.extras import MissingExtra
+from kvwise.util.extras import MissingExtra
 
 GIB = 1 << 30
 

@@ -11,10 +11,10 @@ from kvwise.engine.core import EngineCore
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import KVWiseCache
-from kvwise.hf.fingerprint import weights_fingerprint
 from kvwise.kv.lowrank_basis import LowRankBasis, find_basis, user_basis_path
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.policies.mix import parse_mix
+from kvwise.util.fingerprint import weights_fingerprint
 from tests.conftest import random_ids
 
 pytestmark = pytest.mark.timeout(300)

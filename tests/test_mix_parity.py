@@ -25,12 +25,12 @@ from kvwise.engine.core import EngineCore
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import KVWiseCache
-from kvwise.hf.fingerprint import weights_fingerprint
 from kvwise.hf.layer import CompressingLayer
 from kvwise.kv.lowrank_basis import user_basis_path
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.kv.stored_form import StoredForm
 from kvwise.policies.registry import policy_classes
+from kvwise.util.fingerprint import weights_fingerprint
 from tests.conftest import TINY_MODELS, random_ids
 from tests.test_lowrank import random_basis
 

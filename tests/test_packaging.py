@@ -47,7 +47,7 @@ LIBRARY_ONLY = textwrap.dedent(
 
 REDIS_WITHOUT_EXTRA = textwrap.dedent(
     """
-    from kvwise.core.extras import MissingExtra
+    from kvwise.util.extras import MissingExtra
     from kvwise.tiers.redis_tier import RedisTier
 
     try:

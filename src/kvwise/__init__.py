@@ -1,6 +1,7 @@
 """kvwise: KV-cache management for LLM inference (reuse, eviction, compression, tiers)."""
 
 from kvwise._version import __version__
+from kvwise.adaptive import factory as _adaptive_factory  # noqa: F401  registers LLM(kv="auto")'s controller
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.llm import LLM, CacheConfig
 from kvwise.engine.sampling import SamplingParams

@@ -9,8 +9,8 @@ from pathlib import Path
 
 from kvwise._version import __version__
 from kvwise.bench.commands import add_bench_parsers, run_bench
-from kvwise.core.extras import MissingExtra, require
 from kvwise.server.serve import add_serve_arguments
+from kvwise.util.extras import MissingExtra, require
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -113,14 +113,15 @@ def _command_generate(args) -> None:
     make_quantizer(args.quant)
     prompt = _read_prompt(args)
     from kvwise.hf.run import generate_with_report
+    from kvwise.models import load_model
 
     report = generate_with_report(
         prompt,
+        load_model(args.model),
         policy=args.policy,
         ratio=args.ratio,
         max_new_tokens=args.max_new_tokens,
         max_kv_tokens=args.max_kv_tokens,
-        model_name=args.model,
         chat=not args.no_chat_template,
         quant=args.quant,
     )

@@ -22,7 +22,7 @@ def run_demo(policy: str = "kvzip", ratio: float = 0.9, model_name: str | None =
     )
     print(f"policy: {policy}, compression_ratio: {ratio} (fraction of the KV removed)")
     report = generate_with_report(
-        document + _QUESTION, policy=policy, ratio=ratio, max_new_tokens=24, model_and_tokenizer=(model, tokenizer)
+        document + _QUESTION, (model, tokenizer), policy=policy, ratio=ratio, max_new_tokens=24
     )
     print(f"answer: {report.completion.strip()}")
     print(f"KV bytes before compression: {report.full_kv_bytes:,}")

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import torch
 
-from kvwise.core.extras import require
-from kvwise.core.home import kvwise_home
 from kvwise.hf.attention import ATTENTION_NAME, register_attention
+from kvwise.util.extras import require
+from kvwise.util.home import kvwise_home
 
 __all__ = ["kvwise_home", "load_model", "resolve_device"]
 

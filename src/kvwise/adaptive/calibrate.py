@@ -31,22 +31,23 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from kvwise._version import __version__
 from kvwise.adaptive.lowrank_training import fit_basis
 from kvwise.adaptive.probes import AGREEMENT_TOKENS, Probe, agreement, calibration_text, make_probes
 from kvwise.adaptive.profile import CLASSES, MixProfile, Profile, Provenance, user_profile_path
 from kvwise.adaptive.surrogate_training import SurrogateConfig, train_surrogate
-from kvwise.core.partial import read_partial
-from kvwise.core.plotting import headless_pyplot
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
-from kvwise.hf.fingerprint import weights_fingerprint
 from kvwise.hf.generation import greedy_continue
 from kvwise.kv.lowrank_basis import SUFFIX as BASIS_SUFFIX
 from kvwise.policies.mix import Mix, parse_mix
 from kvwise.policies.score_surrogate import SUFFIX as SURROGATE_SUFFIX
+from kvwise.util.fingerprint import weights_fingerprint
+from kvwise.util.partial import read_partial
+from kvwise.util.plotting import headless_pyplot
 
 log = logging.getLogger("kvwise.calibrate")
 
@@ -185,8 +186,6 @@ def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool
 
 def provenance(config: CalibrateConfig, data: str, probes: dict[str, int], model) -> Provenance:
     """What a reader needs to make the profile again, and to know what it was measured on."""
-    import kvwise
-
     device = next(model.parameters()).device
     if device.type == "cuda":
         hardware = f"cuda: {torch.cuda.get_device_name(device)}"
@@ -202,7 +201,7 @@ def provenance(config: CalibrateConfig, data: str, probes: dict[str, int], model
         ]
         command = f"run_calibrate(CalibrateConfig({', '.join(changed)}))"
     return Provenance(
-        kvwise=kvwise.__version__,
+        kvwise=__version__,
         date=datetime.now(UTC).isoformat(timespec="seconds"),
         command=command,
         seed=config.seed,

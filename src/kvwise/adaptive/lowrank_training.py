@@ -17,8 +17,8 @@ from tqdm import tqdm
 
 from kvwise.hf.cache import KVWiseCache
 from kvwise.hf.chat_template import bos_ids
-from kvwise.hf.fingerprint import weights_fingerprint
 from kvwise.kv.lowrank_basis import ROLES, LowRankBasis
+from kvwise.util.fingerprint import weights_fingerprint
 
 log = logging.getLogger("kvwise.calibrate")
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
-from kvwise.core.essays import split_essays
 from kvwise.hf.chat_template import bos_ids, has_chat_template, render_chat
+from kvwise.util.essays import split_essays
 
 NEEDLE = "\nThe access code for the archive is {key}.\n"
 QUESTION = "\n\nWhat is the access code for the archive mentioned in the text above?"

@@ -2,7 +2,7 @@
 
 `kvwise calibrate` measures it (`adaptive.calibrate`); the controller reads it to pick, per
 request, the cheapest mix whose predicted quality meets a floor. A profile is keyed by the
-fingerprint of the model's weights (`hf.fingerprint`), so the same weights in another dtype or
+fingerprint of the model's weights (`util.fingerprint`), so the same weights in another dtype or
 on another device share it, and a retrained checkpoint does not.
 
 Quality is relative to the full cache on the same probes, in [0, 1], per class:
@@ -17,9 +17,9 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from kvwise.core.calibrated import calibrated_path, find_calibrated
-from kvwise.core.pareto import pareto_front
 from kvwise.policies.mix import parse_mix
+from kvwise.util.calibrated import calibrated_path, find_calibrated
+from kvwise.util.pareto import pareto_front
 
 CLASSES = ("retrieval", "chat", "long_generation")
 FORMAT = 1
@@ -150,7 +150,7 @@ def find_profile(fingerprint: str, path: str | Path | None = None) -> Profile | 
 
 def require_profile(model, path: str | Path | None = None) -> Profile:
     """The profile of `model`'s weights, or a ValueError naming the command that makes one."""
-    from kvwise.hf.fingerprint import weights_fingerprint
+    from kvwise.util.fingerprint import weights_fingerprint
 
     fingerprint = weights_fingerprint(model)
     profile = find_profile(fingerprint, path)

@@ -22,11 +22,11 @@ from tqdm import tqdm
 from kvwise.hf.attention_inputs import attention_modules
 from kvwise.hf.cache import KVWiseCache
 from kvwise.hf.chat_template import bos_ids, has_chat_template
-from kvwise.hf.fingerprint import weights_fingerprint
 from kvwise.policies.base import PROTECTED
 from kvwise.policies.kvzip import KVzipPolicy, _chat_head_and_suffix
 from kvwise.policies.score_surrogate import ScoreSurrogate
 from kvwise.policies.selection import select_across_layers
+from kvwise.util.fingerprint import weights_fingerprint
 
 log = logging.getLogger("kvwise.calibrate")
 

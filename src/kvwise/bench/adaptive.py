@@ -31,12 +31,12 @@ from kvwise.adaptive.probes import AGREEMENT_TOKENS, agreement
 from kvwise.bench.adaptive_workload import CLASSES, WorkloadRequest, WorkloadSpec, at_rate, build_workload
 from kvwise.bench.environment import system_info
 from kvwise.bench.stats import percentile
-from kvwise.core.partial import read_partial
-from kvwise.core.plotting import headless_pyplot
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.kv_budget import POOL_SHARE, SWAP_SHARE, cache_config_for_budget, token_bytes
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
+from kvwise.util.partial import read_partial
+from kvwise.util.plotting import headless_pyplot
 
 FIXED = ("snapkv@0.75", "streaming_llm@0.75", "kvzip@0.9", "kivi4", "kivi2", "kvzip@0.75+kivi4")
 SYSTEMS = ("full", *FIXED, "host-spill", "static", "auto")

@@ -16,8 +16,8 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
-from kvwise.core.essays import read_haystack, split_essays
 from kvwise.hf.chat_template import bos_ids, has_chat_template, render_chat
+from kvwise.util.essays import read_haystack, split_essays
 
 CLASSES = ("retrieval", "chat", "short", "long_generation")
 OUTPUT_TOKENS = {"retrieval": 16, "chat": 64, "short": 32, "long_generation": 512}

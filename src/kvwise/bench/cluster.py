@@ -11,6 +11,7 @@ from (device, host, Redis) from the replicas' metrics.
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import secrets
@@ -28,7 +29,7 @@ from kvwise.bench.environment import system_info
 from kvwise.bench.loopback_server import LoopbackServer
 from kvwise.bench.rag_workload import RagWorkload, rag_prompts
 from kvwise.bench.stats import percentile
-from kvwise.core.plotting import headless_pyplot
+from kvwise.util.plotting import headless_pyplot
 
 SYSTEMS = ("single", "kvwise+redis", "kvwise", "pow2+redis", "pow2", "text-prefix+redis", "text-prefix")
 
@@ -117,15 +118,15 @@ def pool_blocks(config: ClusterConfig, parts: list[tuple[list[int], int]], block
 
 
 def _run_system(system: str, config: ClusterConfig, prompts: list[str], progress) -> dict:
-    from kvwise.cli import build_parser
     from kvwise.cluster.launch import deploy
+    from kvwise.server.serve import add_serve_arguments
 
     router, _, tier = system.partition("+")
     replicas = 1 if router == "single" else config.replicas
     with tempfile.TemporaryDirectory() as folder:
         key_file = Path(folder) / "namespace"
         key_file.write_text(secrets.token_hex(32))  # a cold cache: no system reuses another's blocks
-        flags = ["serve", "--namespace-key-file", str(key_file), "--log-stats-interval", "0", "--log-level", "warning"]
+        flags = ["--namespace-key-file", str(key_file), "--log-stats-interval", "0", "--log-level", "warning"]
         flags += ["--num-blocks", str(config.pool_blocks), "--swap-space-gb", "1"]
         if config.model:
             flags += ["--model", config.model]
@@ -134,7 +135,9 @@ def _run_system(system: str, config: ClusterConfig, prompts: list[str], progress
             (Path(folder) / "redis-hmac").write_text(secrets.token_hex(32))
             flags += ["--redis-url", config.redis_url, "--redis-hmac-key-file", str(Path(folder) / "redis-hmac")]
             flags += ["--redis-key-prefix", key_prefix]
-        args = build_parser().parse_args(flags)
+        parser = argparse.ArgumentParser(prog="kvwise serve")
+        add_serve_arguments(parser)  # the flags `kvwise serve` takes, without the CLI above the bench
+        args = parser.parse_args(flags)
         args.replicas = replicas
         cluster = deploy(
             args, replicas, router="kvwise" if router == "single" else router, stats_period=config.stats_period

@@ -268,7 +268,7 @@ def add_cluster_parser(workloads) -> None:
 
 
 def _cluster(args) -> None:
-    from kvwise.core.extras import require
+    from kvwise.util.extras import require
 
     require("ray.serve", "cluster", "kvwise bench cluster")
     from kvwise.bench.cluster import ClusterConfig, run_cluster_bench

@@ -7,11 +7,11 @@ import platform
 
 import torch
 
+from kvwise._version import __version__
+
 
 def system_info(device: torch.device) -> dict:
     import transformers
-
-    import kvwise
 
     if device.type == "cuda":
         hardware = torch.cuda.get_device_name(device)
@@ -20,7 +20,7 @@ def system_info(device: torch.device) -> dict:
             f"{platform.processor() or platform.machine()} x{os.cpu_count()} cores, {torch.get_num_threads()} threads"
         )
     return {
-        "kvwise": kvwise.__version__,
+        "kvwise": __version__,
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "device": str(device),

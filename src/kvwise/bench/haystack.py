@@ -1,4 +1,4 @@
-"""NIAH data: the needle placement of ../docs BENCHMARKS (the essays themselves: `core.essays`)."""
+"""NIAH data: the needle placement of ../docs BENCHMARKS (the essays themselves: `util.essays`)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwise.core.essays import default_haystack_dir, read_haystack, split_essays
 from kvwise.hf.chat_template import bos_ids, has_chat_template, render_chat
+from kvwise.util.essays import default_haystack_dir, read_haystack, split_essays
 
 __all__ = ["default_haystack_dir", "read_haystack", "split_essays", "NeedlePromptBuilder", "trial_grid"]
 

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from kvwise.core.home import kvwise_home
+from kvwise.util.home import kvwise_home
 
 log = logging.getLogger("kvwise.bench")
 

@@ -29,13 +29,13 @@ from kvwise.bench.haystack import (
 from kvwise.bench.kvpress_compare import run_kvpress
 from kvwise.bench.kvpress_venv import KvpressUnavailable
 from kvwise.bench.peak_memory import PeakMemory
-from kvwise.core.partial import read_partial
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.generation import greedy_continue
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.kv.stored_form import StoredForm
 from kvwise.policies.registry import make_policy
 from kvwise.policies.selection import check_ratio
+from kvwise.util.partial import read_partial
 
 NUM_NEW_TOKENS = 8
 PATHS = ("library", "engine")

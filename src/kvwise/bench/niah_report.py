@@ -6,8 +6,8 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean, median
 
-from kvwise.core.pareto import pareto_front
-from kvwise.core.plotting import headless_pyplot
+from kvwise.util.pareto import pareto_front
+from kvwise.util.plotting import headless_pyplot
 
 
 def summarize(results: list[dict]) -> list[dict]:

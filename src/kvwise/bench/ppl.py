@@ -21,10 +21,10 @@ from tqdm import tqdm
 from kvwise.bench.environment import system_info
 from kvwise.bench.haystack import read_haystack
 from kvwise.bench.hf_peers import backend_available, hf_cache_bytes, make_hf_quantized_cache
-from kvwise.core.partial import read_partial
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.policies.registry import make_policy
+from kvwise.util.partial import read_partial
 
 HF_PEERS = {
     "quanto": [{"nbits": 4}, {"nbits": 4, "axis_key": -1}, {"nbits": 2}, {"nbits": 2, "axis_key": -1}],

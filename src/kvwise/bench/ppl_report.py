@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvwise.core.plotting import headless_pyplot
+from kvwise.util.plotting import headless_pyplot
 
 
 def describe(row: dict) -> str:

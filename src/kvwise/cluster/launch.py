@@ -18,8 +18,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvwise.core.extras import require
 from kvwise.server.serve import check_flags
+from kvwise.util.extras import require
 
 log = logging.getLogger("kvwise.cluster")
 

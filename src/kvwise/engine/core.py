@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwise.core.secret_keys import namespace_key as default_namespace_key
 from kvwise.engine.compaction import Compaction
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.context_pass import PassChunk, PassDeferred, start_pass
@@ -28,6 +27,7 @@ from kvwise.engine.sampling import SamplingParams, find_stop, prompt_token_logpr
 from kvwise.engine.scheduler import Scheduler
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.tiers.base import Tier
+from kvwise.util.secret_keys import namespace_key as default_namespace_key
 
 log = logging.getLogger("kvwise.engine")
 

@@ -22,7 +22,7 @@ import sysconfig
 import warnings
 from pathlib import Path
 
-from kvwise.models import kvwise_home
+from kvwise.util.home import kvwise_home
 
 SOURCES = sorted((Path(__file__).parent / "kernels").glob("*.cpp"))
 FLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for is serial without it

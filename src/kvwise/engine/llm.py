@@ -18,6 +18,7 @@ from dataclasses import fields as fields_of
 from tqdm import tqdm
 
 from kvwise.engine.config import CacheConfig
+from kvwise.engine.controllers import build_controller
 from kvwise.engine.core import CompletionOutput, EngineCore
 from kvwise.engine.kv_budget import cache_config_for_memory
 from kvwise.engine.kv_settings import KVSettings
@@ -92,11 +93,8 @@ class LLM:
         if kv not in (None, "auto"):
             raise ValueError(f"kv must be None or 'auto', got {kv!r} (per-prompt settings go to generate(kv=...))")
         controller = None
-        if kv == "auto":  # the offline API's one reach above the engine: it builds the controller asked for
-            from kvwise.adaptive.controller import AdaptiveConfig, AdaptiveController
-            from kvwise.adaptive.profile import require_profile
-
-            controller = AdaptiveController(require_profile(model, kv_profile_path), AdaptiveConfig(kv_quality))
+        if kv == "auto":  # the adaptive layer registers it (engine.controllers)
+            controller = build_controller("auto", model, quality=kv_quality, profile_path=kv_profile_path)
         self.engine = EngineCore(model, tokenizer, cache_config, tiers)
         if max_model_len is not None:
             if max_model_len < 1:

@@ -17,7 +17,6 @@ import safetensors.torch
 import torch
 
 from kvwise.core.hashing import Namespace, compressed_key
-from kvwise.core.secret_keys import namespace_key as default_namespace_key
 from kvwise.hf.cache import KVWiseCache
 from kvwise.hf.geometry import kv_geometry
 from kvwise.hf.layer import CompressingLayer
@@ -26,6 +25,7 @@ from kvwise.kv.quantizer import make_quantizer
 from kvwise.kv.store import QuantizedChunk
 from kvwise.policies.registry import make_policy
 from kvwise.tiers.base import Tier
+from kvwise.util.secret_keys import namespace_key as default_namespace_key
 
 STORE_FIELDS = (
     "residual_keys",

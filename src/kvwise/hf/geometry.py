@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwise.hf.fingerprint import weights_fingerprint
+from kvwise.util.fingerprint import weights_fingerprint
 
 PROBE_NAME = "kvwise_probe"
 # Layer types that are softmax attention over a KV cache (transformers' `config.layer_types`).
@@ -34,7 +34,7 @@ class KVGeometry:
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
-    model_id: str  # a fingerprint of the weights (hf.fingerprint): part of every block key's namespace
+    model_id: str  # a fingerprint of the weights (util.fingerprint): part of every block key's namespace
     windows: tuple[int | None, ...] = ()  # per layer: the sliding window, None for full attention
 
     @property

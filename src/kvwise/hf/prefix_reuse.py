@@ -25,10 +25,10 @@ from transformers import DynamicCache
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.hashing import Namespace
 from kvwise.core.radix import RadixCache
-from kvwise.core.secret_keys import namespace_key as default_namespace_key
 from kvwise.hf.geometry import kv_geometry, paged_storage_for
 from kvwise.tiers.base import Tier
 from kvwise.tiers.prefix_tiers import PrefixTiers, ReuseStats
+from kvwise.util.secret_keys import namespace_key as default_namespace_key
 
 __all__ = ["PrefixReuse", "ReuseStats"]
 

@@ -44,22 +44,20 @@ def encode_prompt(tokenizer, prompt: str, chat: bool) -> torch.Tensor:
 
 def generate_with_report(
     prompt: str,
+    model_and_tokenizer,
     policy: str = "snapkv",
     ratio: float = 0.5,
     max_new_tokens: int = 64,
     max_kv_tokens: int | None = None,
-    model_name: str | None = None,
     chat: bool = True,
-    model_and_tokenizer=None,
     quant: str | None = None,
 ) -> GenerationReport:
-    """Prefill `prompt` into a compressing cache, then generate from it.
+    """Prefill `prompt` into a compressing cache of `model_and_tokenizer` (a loaded model and its
+    tokenizer), then generate from it.
 
     "Before" is what an uncompressed cache holds for the same prompt, in the model's dtype.
     """
-    from kvwise.models import load_model
-
-    model, tokenizer = model_and_tokenizer or load_model(model_name)
+    model, tokenizer = model_and_tokenizer
     input_ids = encode_prompt(tokenizer, prompt, chat).to(model.device)
     cache = KVWiseCache(
         model, policy=policy, compression_ratio=ratio, max_kv_tokens=max_kv_tokens, tokenizer=tokenizer, quant=quant

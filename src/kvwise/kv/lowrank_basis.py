@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kvwise.core.calibrated import calibrated_path, find_calibrated, load_layered, save_layered
+from kvwise.util.calibrated import calibrated_path, find_calibrated, load_layered, save_layered
 
 SUFFIX = ".lowrank.safetensors"
 ROLES = ("keys", "values")
@@ -80,7 +80,7 @@ def find_basis(fingerprint: str, path: str | Path | None = None) -> LowRankBasis
 
 def require_basis(model) -> LowRankBasis:
     """The bases of `model`'s weights, or a ValueError naming the command that makes them."""
-    from kvwise.hf.fingerprint import weights_fingerprint
+    from kvwise.util.fingerprint import weights_fingerprint
 
     fingerprint = weights_fingerprint(model)
     basis = find_basis(fingerprint)

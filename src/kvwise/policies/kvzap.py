@@ -48,7 +48,7 @@ class KVzapPolicy(Policy):
 
     def attach(self, model) -> None:
         """Load the surrogate trained on `model`'s weights; a clear error names how to make one."""
-        from kvwise.hf.fingerprint import weights_fingerprint
+        from kvwise.util.fingerprint import weights_fingerprint
 
         fingerprint = weights_fingerprint(model)
         key = (fingerprint, self.surrogate_path)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from kvwise.core.calibrated import calibrated_path, find_calibrated, load_layered, save_layered
+from kvwise.util.calibrated import calibrated_path, find_calibrated, load_layered, save_layered
 
 SUFFIX = ".kvzap.safetensors"
 

@@ -18,7 +18,7 @@ import logging
 import os
 from dataclasses import dataclass
 
-from kvwise.core.secret_keys import load_keys, load_or_create_keys
+from kvwise.util.secret_keys import load_keys, load_or_create_keys
 
 API_KEY_ENVIRONMENT = "KVWISE_API_KEY"  # the one key of --api-key, read at startup
 

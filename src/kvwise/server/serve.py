@@ -516,20 +516,15 @@ def adaptive_config(args, kv_quant_options):
 
 def adaptive_controller(args, config, model, tokenizer):
     """The controller on the model's profile; without one, --kv-calibrate-on-start makes it (quick)."""
-    from kvwise.adaptive.controller import AdaptiveController
-    from kvwise.adaptive.profile import require_profile
+    from kvwise.adaptive.factory import build_adaptive_controller
 
-    try:
-        profile = require_profile(model, args.kv_profile)
-    except ValueError:
-        if not args.kv_calibrate_on_start or args.kv_profile is not None:
-            raise
-        from kvwise.adaptive.calibrate import CalibrateConfig, run_calibrate
-
-        log.warning("no KV profile for this model: calibrating (--quick) before serving")
-        run_calibrate(CalibrateConfig(quick=True), model=(model, tokenizer))
-        profile = require_profile(model)
-    return AdaptiveController(profile, config)
+    return build_adaptive_controller(
+        model,
+        config=config,
+        profile_path=args.kv_profile,
+        tokenizer=tokenizer,
+        calibrate_on_start=args.kv_calibrate_on_start,
+    )
 
 
 def prefix_tiers(args, keys=None) -> list:

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from kvwise.core.extras import require
 from kvwise.tiers.base import Tier
 from kvwise.tiers.payload import CorruptBlock, decode_block, encode_block
+from kvwise.util.extras import require
 
 KEY_ENVIRONMENT = "KVWISE_DISK_KEY"
 NONCE_BYTES = 12

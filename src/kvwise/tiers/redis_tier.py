@@ -50,9 +50,9 @@ from dataclasses import dataclass
 
 import torch
 
-from kvwise.core.extras import require
 from kvwise.tiers.base import Tier
 from kvwise.tiers.payload import CorruptBlock, decode_block, encode_block
+from kvwise.util.extras import require
 
 log = logging.getLogger("kvwise.tiers")
 HMAC_ENVIRONMENT = "KVWISE_REDIS_HMAC_KEY"

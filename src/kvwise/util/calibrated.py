@@ -13,7 +13,7 @@ from importlib import resources
 from pathlib import Path
 from typing import TypeVar
 
-from kvwise.core.home import kvwise_home
+from kvwise.util.home import kvwise_home
 
 Loaded = TypeVar("Loaded")
 

@@ -12,7 +12,7 @@ import os
 import secrets
 from pathlib import Path
 
-from kvwise.core.home import kvwise_home
+from kvwise.util.home import kvwise_home
 
 KEY_BYTES = 32
 

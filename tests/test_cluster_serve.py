@@ -177,8 +177,10 @@ def test_requests_sharing_a_prefix_go_where_it_is_and_tenants_never_share(cluste
 
     directory = ACTIVE_ROUTERS["kvwise-engine"].directory
     # every finished request leaves the router's load; Ray tells the router a moment after the
-    # response has reached the client, so allow it that moment
-    deadline = time.monotonic() + 10
+    # response has reached the client (well under a second). The loop ends as soon as the load is
+    # gone; its deadline only bounds how long a real leak (which never clears) takes to fail, so
+    # it is generous for a loaded machine
+    deadline = time.monotonic() + 60
     while any(directory._in_flight.values()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(directory._in_flight.values())

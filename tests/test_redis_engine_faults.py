@@ -123,7 +123,6 @@ def test_every_tampered_redis_entry_is_detected_counted_and_recomputed(llama, re
 # ---- outage -------------------------------------------------------------------------------------
 TIMEOUT_SECONDS = 0.5  # the tier's default socket timeout
 RETRY_SECONDS = 2.0  # well above a step, so a step meets at most one timeout
-MARGIN_SECONDS = 0.25  # scheduling noise on a loaded machine
 
 
 def traffic() -> list[list[int]]:
@@ -194,6 +193,9 @@ def test_redis_killed_restarted_frozen_and_thawed_mid_run(llama, tmp_path):
     assert redis_tokens[3::4] == [40, 0, 40, 0, 40]
     assert counts["errors while down"] > 0 and counts["errors while frozen"] > 0
     tier_seconds = [record.tier_seconds for record in core.step_log]
-    assert max(tier_seconds) <= TIMEOUT_SECONDS + MARGIN_SECONDS, max(tier_seconds)
+    # a step meets at most one timeout (fail fast after it): a second one would take the step to
+    # 2 x the timeout, so anything under that is one timeout plus scheduling noise, however loaded
+    # the machine (without the timeout, a frozen Redis holds the step until the thaw: seconds)
+    assert max(tier_seconds) < 2 * TIMEOUT_SECONDS, max(tier_seconds)
     assert max(tier_seconds) >= 0.8 * TIMEOUT_SECONDS  # the frozen Redis was met: the bound was tested
     assert sum(tier_seconds) == pytest.approx(core.kv.prefix_stats.seconds_in_tiers)  # every tier call in a step

@@ -195,14 +195,24 @@ def test_n_of_a_billion_is_refused_at_once_and_health_stays_fast(server):
         assert httpx.get(f"{server_url}/health", timeout=10).status_code == 200
         return time.perf_counter() - started
 
+    def refusal_seconds(n: int) -> float:
+        body = json.dumps({"model": MODEL, "prompt": ["a", "b"], "n": n, "max_tokens": -1}).encode()
+        started = time.perf_counter()
+        assert raw("/v1/completions", body).status_code == 400
+        return time.perf_counter() - started
+
     before = statistics.median(health_latency() for _ in range(5))
+    # the baseline: the same request refused for its max_tokens, with a small n
+    baseline = statistics.median(refusal_seconds(2) for _ in range(5))
     body = json.dumps({"model": MODEL, "prompt": ["a", "b"], "n": 10**9, "max_tokens": 1}).encode()
     started = time.perf_counter()
     answer = raw("/v1/completions", body)
     elapsed = time.perf_counter() - started
     after = statistics.median(health_latency() for _ in range(5))
-    assert answer.status_code == 400 and elapsed < 0.1, (answer.status_code, elapsed)
-    assert after < max(0.05, 3 * before)
+    # ratios to baselines of this test: work in proportion to n (10^9 choices) would take minutes,
+    # so 20x a refusal (at least a second, for one slow scheduling on a loaded machine) is "at once"
+    assert answer.status_code == 400 and elapsed < max(1.0, 20 * baseline), (answer.status_code, elapsed, baseline)
+    assert after < max(0.5, 10 * before), (before, after)
 
 
 def test_health_live_and_ready(server):
@@ -229,7 +239,9 @@ def test_a_slowloris_client_is_closed_after_the_header_timeout(tmp_path):
         connection.settimeout(5)
         started = time.monotonic()
         closed_after = None
-        for byte in b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100:
+        slow_bytes = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: " + b"a" * 100
+        sending_seconds = 0.05 * len(slow_bytes)  # about 7 s at a byte every 50 ms
+        for byte in slow_bytes:
             try:
                 connection.send(bytes([byte]))
                 time.sleep(0.05)
@@ -239,7 +251,9 @@ def test_a_slowloris_client_is_closed_after_the_header_timeout(tmp_path):
         if closed_after is None:
             assert connection.recv(1024) == b""  # the server closed it
             closed_after = time.monotonic() - started
-        assert 0.9 < closed_after < 4.0
+        # not before the 1 s deadline (less the moment between accept and our first byte), and by
+        # the server while the client was still sending: it would have sent for 5 s more
+        assert 0.9 < closed_after < sending_seconds, (closed_after, sending_seconds)
         assert httpx.get(f"{slow.base_url}/health", timeout=5).status_code == 200
     finally:
         slow.stop()
@@ -262,9 +276,11 @@ def test_a_dead_engine_thread_fails_new_requests_at_once_with_503(tmp_path):
         live.engine._thread.join(10)
         assert not live.engine._thread.is_alive()
         started = time.perf_counter()
-        answer = httpx.post(f"{live.base_url}/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=10)
+        answer = httpx.post(f"{live.base_url}/v1/completions", json={"model": "tiny", "prompt": "hi"}, timeout=30)
         assert answer.status_code == 503 and answer.json()["error"]["code"] == "engine_down"
-        assert time.perf_counter() - started < 1.0
+        # a request queued for the dead engine would wait for the client's 30 s timeout; "at once"
+        # is anything well short of that, with room for a loaded machine
+        assert time.perf_counter() - started < 5.0
         assert httpx.get(f"{live.base_url}/health/live", timeout=5).status_code == 503
     finally:
         live.stop()

@@ -49,6 +49,16 @@ def specs(text: str) -> list[str]:
 def add_bench_parsers(workloads) -> None:
     add_adaptive_parser(workloads)
     add_cluster_parser(workloads)
+    add_niah_parser(workloads)
+    add_ppl_parser(workloads)
+    add_reuse_parser(workloads)
+    add_throughput_parser(workloads)
+    add_rag_parser(workloads)
+    add_isolation_parser(workloads)
+    add_load_parser(workloads)
+
+
+def add_niah_parser(workloads) -> None:
     niah = workloads.add_parser("niah", help="needle in a haystack under compression")
     niah.add_argument(
         "--policies", type=specs, default=None, help="policies, with options as in a mix (full,kvzap:recent_window=64)"
@@ -108,6 +118,8 @@ def add_bench_parsers(workloads) -> None:
     niah.add_argument("--question", default=None)
     niah.add_argument("--answer-prefix", default=None)
 
+
+def add_ppl_parser(workloads) -> None:
     ppl = workloads.add_parser("ppl", help="teacher-forced perplexity under quantization and KV budgets")
     ppl.add_argument("--tokens", type=int, default=None, help="essay tokens scored (default 4096; 1024 with --quick)")
     ppl.add_argument("--chunk", type=int, default=None, help="tokens per forward (default 256)")
@@ -124,6 +136,8 @@ def add_bench_parsers(workloads) -> None:
     ppl.add_argument("--quick", action="store_true", help="1024 tokens, one budget, fewer systems")
     ppl.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")
 
+
+def add_reuse_parser(workloads) -> None:
     reuse = workloads.add_parser("reuse", help="prefix reuse: lookup cost, restore from tiers, RAG TTFT")
     reuse.add_argument("--model", default=None)
     reuse.add_argument("--requests", type=int, default=None, help="RAG requests (default 24; 8 with --quick)")
@@ -133,6 +147,8 @@ def add_bench_parsers(workloads) -> None:
     reuse.add_argument("--out", type=Path, default=Path("results"))
     reuse.add_argument("--quick", action="store_true", help="a 20,000-block tree, 8 requests, 1,000-token restore")
 
+
+def add_throughput_parser(workloads) -> None:
     throughput = workloads.add_parser("throughput", help="the engine against transformers generate loops")
     throughput.add_argument("--model", default=None)
     throughput.add_argument("--dtype", default=None, help="model dtype (default: the model's, float32 on CPU)")
@@ -146,6 +162,8 @@ def add_bench_parsers(workloads) -> None:
     throughput.add_argument("--out", type=Path, default=Path("results"))
     throughput.add_argument("--quick", action="store_true", help="8 requests of 64-128 tokens, 16 new tokens")
 
+
+def add_rag_parser(workloads) -> None:
     rag = workloads.add_parser("rag", help="prefix reuse on the engine: TTFT with reuse off and on")
     rag.add_argument("--model", default=None)
     rag.add_argument("--dtype", default=None, help="model dtype (default: the model's, float32 on CPU)")
@@ -161,6 +179,8 @@ def add_bench_parsers(workloads) -> None:
     rag.add_argument("--out", type=Path, default=Path("results"))
     rag.add_argument("--quick", action="store_true", help="8 requests, 3 documents of 300-600 tokens, 8 new tokens")
 
+
+def add_isolation_parser(workloads) -> None:
     isolation = workloads.add_parser("isolation", help="tenant timing probes and cache flooding on a live server")
     isolation.add_argument("--model", default=None)
     isolation.add_argument("--trials", type=int, default=None, help="probes per class and mode (default 200)")
@@ -176,6 +196,8 @@ def add_bench_parsers(workloads) -> None:
     )
     isolation.add_argument("--flood-only", action="store_true", help="only the flood test, no timing probes")
 
+
+def add_load_parser(workloads) -> None:
     load = workloads.add_parser("load", help="concurrent streaming clients with hang-ups against a live server")
     load.add_argument("--model", default=None)
     load.add_argument("--clients", type=int, default=None, help="concurrent streaming clients (default 64)")

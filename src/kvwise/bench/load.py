@@ -176,9 +176,25 @@ def run_load(config: LoadConfig, out_dir: Path) -> dict:
     server.stop()
     if faults is not None:
         shutil.rmtree(faults.disk.directory, ignore_errors=True)
+    summary = _summary(records, samples, faults, leaked, locks)
+    report = {
+        "workload": "load",
+        "config": asdict(config),
+        "system": system_info(model.device),
+        "results": {"summary": summary, "samples": samples, "requests": records},
+    }
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "load.json").write_text(json.dumps(report, indent=1))
+    (out_dir / "load.md").write_text(markdown(report))
+    _plot(report, out_dir / "load_memory.png")
+    return report
+
+
+def _summary(records: list[dict], samples: list[dict], faults, leaked: int, locks: int) -> dict:
+    """The run in figures: outcomes, injected faults, latencies of completed streams, memory, leaks."""
     done = [r for r in records if not r["hung_up"] and not r["cancelled"] and r["ttft"] is not None]
     ttfts, tpots = [r["ttft"] for r in done], [r["tpot"] for r in done if r["tpot"] is not None]
-    summary = {
+    return {
         "requests": len(records),
         "hung_up": sum(r["hung_up"] for r in records),
         "cancelled": sum(r["cancelled"] for r in records),
@@ -193,17 +209,6 @@ def run_load(config: LoadConfig, out_dir: Path) -> dict:
         "leaked_blocks": leaked,
         "prefix_locks": locks,
     }
-    report = {
-        "workload": "load",
-        "config": asdict(config),
-        "system": system_info(model.device),
-        "results": {"summary": summary, "samples": samples, "requests": records},
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "load.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "load.md").write_text(markdown(report))
-    _plot(report, out_dir / "load_memory.png")
-    return report
 
 
 def _tier_counts(disk) -> dict:

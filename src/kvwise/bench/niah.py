@@ -178,6 +178,35 @@ def bench_haystack(directory: str | None) -> str:
     return read_haystack(directory) if directory is not None else split_essays()[0]
 
 
+def _cell_settings(config: NiahConfig, runner, sizer: ByteSizer, prompt, name: str, ratio, budget):
+    """What one cell runs on one trial's prompt: ((policy, ratio, quant, options), None), or
+    (the same, why) when the path cannot run it. A budget cell solves its ratio from the prompt's
+    length and the path's page size."""
+    policy, options = policy_options(name) if budget is None else (name, ())
+    quant = config.quant
+    if budget is not None:
+        mix = budget_mix(name)
+        solved = sizer.solve(mix, prompt.context_ids.shape[1], budget, runner.page_tokens(mix.quant))
+        if solved.ratio is None:
+            return (policy, None, quant, options), solved.note
+        policy, ratio, quant, options = mix.policy, round(solved.ratio, 6), mix.quant, mix.policy_options
+    return (policy, ratio, quant, options), runner.refuses(policy, ratio, quant, options)
+
+
+def _kvpress_rows(config: NiahConfig, model, tokenizer, trial_prompts, out_dir: Path) -> tuple[list[dict], str | None]:
+    """kvpress on the same trials (--compare), or no rows and why it could not run."""
+    if not config.compare:
+        return [], None
+    try:
+        rows = run_kvpress(
+            model, tokenizer, trial_prompts, config.compare, config.ratios, config.mode, NUM_NEW_TOKENS, out_dir
+        )
+    except KvpressUnavailable as error:  # the kvwise rows stand; the table says why kvpress's are missing
+        log.error("%s", error)
+        return [], str(error)
+    return rows, None
+
+
 def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
     from kvwise.models import load_model
 
@@ -212,19 +241,10 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
             progress.set_postfix(path=path, policy=name, ratio=ratio, budget=budget)
             progress.update()
             runner = runners[path]
-            policy, options = policy_options(name) if budget is None else (name, ())
-            quant = config.quant
-            if budget is not None:
-                mix = budget_mix(name)
-                num_tokens = prompts[trial].context_ids.shape[1]
-                solved = sizer.solve(mix, num_tokens, budget, runner.page_tokens(mix.quant))
-                if solved.ratio is None:
-                    skipped[(name, budget, None, path)] = solved.note
-                    continue
-                policy, ratio, quant, options = mix.policy, round(solved.ratio, 6), mix.quant, mix.policy_options
-            refused = runner.refuses(policy, ratio, quant, options)
-            if refused:
-                skipped[(name, budget, None if budget is not None else ratio, path)] = refused
+            settings, why = _cell_settings(config, runner, sizer, prompts[trial], name, ratio, budget)
+            policy, ratio, quant, options = settings
+            if why:
+                skipped[(name, budget, None if budget is not None else ratio, path)] = why
                 continue
             key = row_key({"policy": name, "ratio": ratio, "budget": budget, "path": path, **_trial_fields(trial)})
             order.append(key)
@@ -247,22 +267,8 @@ def run_niah(config: NiahConfig, out_dir: Path, resume: bool = True) -> dict:
                 partial.flush()
                 done[key] = row
     results = [done[key] for key in order]
-    compare_error = None
-    if config.compare:
-        try:
-            results += run_kvpress(
-                model,
-                tokenizer,
-                [(t, prompts[t]) for t in trials],
-                config.compare,
-                config.ratios,
-                config.mode,
-                NUM_NEW_TOKENS,
-                out_dir,
-            )
-        except KvpressUnavailable as error:  # the kvwise rows stand; the table says why kvpress's are missing
-            compare_error = str(error)
-            log.error("%s", error)
+    compare_rows, compare_error = _kvpress_rows(config, model, tokenizer, [(t, prompts[t]) for t in trials], out_dir)
+    results += compare_rows
     report = {
         "workload": "niah",
         "config": asdict(config),

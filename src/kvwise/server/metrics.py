@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from kvwise.engine.core import EngineCore, TokenEvent
+from kvwise.engine.kv_stats import KVStats
 from kvwise.engine.request import Request
 
 LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 25, 60, 120)
@@ -147,79 +148,9 @@ class _StateCollector:
 
     def collect(self):
         kv, scheduler = self.core.kv.stats(), self.core.scheduler
-        usage = GaugeMetricFamily("kvwise_kv_usage_bytes", "KV bytes in use, per tier", labels=["tier"])
-        usage.add_metric(["device"], kv.used_bytes)
-        capacity = GaugeMetricFamily("kvwise_kv_capacity_bytes", "KV bytes available, per tier", labels=["tier"])
-        capacity.add_metric(["device"], kv.capacity_bytes)
-        if kv.swap_used_bytes is not None:
-            usage.add_metric(["host"], kv.swap_used_bytes)
-            capacity.add_metric(["host"], kv.swap_capacity_bytes)
-        for tier in kv.tiers:  # where evicted prefix blocks went
-            usage.add_metric([f"prefix_{tier.name}"], tier.bytes_held)
-            if tier.capacity_bytes is not None:
-                capacity.add_metric([f"prefix_{tier.name}"], tier.capacity_bytes)
-        usage.add_metric(["device_quantized"], kv.quantized_bytes)
-        yield usage
-        yield capacity
-        error = GaugeMetricFamily(
-            "kvwise_quantization_relative_error",
-            "Mean relative reconstruction error of the blocks stored quantized, per quantizer",
-            labels=["quantizer", "part"],
-        )
-        for name, (keys, values) in kv.quantization_errors.items():
-            error.add_metric([name, "keys"], keys)
-            error.add_metric([name, "values"], values)
-        yield error
-        yield GaugeMetricFamily(
-            "kvwise_spill_ratio",
-            "Of the device blocks given up (preemption, prefix-cache eviction), the share kept on a lower tier",
-            value=kv.spill_ratio,
-        )
-        tier_hits = CounterMetricFamily(
-            "kvwise_prefix_cache_tier_hits_tokens",
-            "Prompt tokens whose KV came back from a lower tier",
-            labels=["tier"],
-        )
-        tier_errors = CounterMetricFamily(
-            "kvwise_prefix_tier_errors", "Lower-tier failures (the block is recomputed)", labels=["tier", "kind"]
-        )
-        tier_up = GaugeMetricFamily(
-            "kvwise_prefix_tier_up",
-            "1 while a lower tier answers, 0 while it is down (misses recompute)",
-            labels=["tier"],
-        )
-        published = CounterMetricFamily(
-            "kvwise_prefix_published_blocks",
-            "Computed prefix blocks written to a shared tier at once, for other servers",
-            labels=["tier"],
-        )
-        for tier in kv.tiers:
-            tier_hits.add_metric([tier.name], tier.hits_tokens)
-            tier_errors.add_metric([tier.name, "corrupt"], tier.corrupt)
-            tier_errors.add_metric([tier.name, "unavailable"], tier.errors)
-            tier_up.add_metric([tier.name], float(tier.available))
-            published.add_metric([tier.name], tier.published_blocks)
-        yield tier_hits
-        yield tier_errors
-        yield tier_up
-        yield published
-        swapped = CounterMetricFamily("kvwise_swapped_blocks", "Blocks copied between tiers", labels=["direction"])
-        swapped.add_metric(["out"], kv.swapped_out_blocks)
-        swapped.add_metric(["in"], kv.swapped_in_blocks)
-        yield swapped
-        blocks = GaugeMetricFamily("kvwise_kv_blocks", "Device KV blocks by state", labels=["state"])
-        blocks.add_metric(["free"], kv.free_blocks)
-        blocks.add_metric(["used"], kv.used_blocks)
-        blocks.add_metric(["prefix_cached"], kv.prefix_cached_blocks)
-        yield blocks
-        yield GaugeMetricFamily(
-            "kvwise_kv_cache_usage_ratio",
-            "Share of the device KV pool's blocks in use (prefix-cached blocks count as used)",
-            value=kv.block_usage,
-        )
-        evictions = CounterMetricFamily("kvwise_prefix_cache_evictions_blocks", "Blocks evicted from the prefix cache")
-        evictions.add_metric([], kv.prefix_evictions)
-        yield evictions
+        yield from _memory_metrics(kv)
+        yield from _prefix_tier_metrics(kv)
+        yield from _block_metrics(kv)
         preemptions = CounterMetricFamily("kvwise_preemptions", "Requests preempted under memory pressure")
         preemptions.add_metric([], scheduler.preemptions)
         yield preemptions
@@ -230,6 +161,91 @@ class _StateCollector:
         yield GaugeMetricFamily(
             "kvwise_uptime_seconds", "Seconds since the metrics started", value=time.monotonic() - _START
         )
+
+
+def _memory_metrics(kv: KVStats):
+    """KV bytes in use and available per tier, quantization error, spill ratio."""
+    usage = GaugeMetricFamily("kvwise_kv_usage_bytes", "KV bytes in use, per tier", labels=["tier"])
+    usage.add_metric(["device"], kv.used_bytes)
+    capacity = GaugeMetricFamily("kvwise_kv_capacity_bytes", "KV bytes available, per tier", labels=["tier"])
+    capacity.add_metric(["device"], kv.capacity_bytes)
+    if kv.swap_used_bytes is not None:
+        usage.add_metric(["host"], kv.swap_used_bytes)
+        capacity.add_metric(["host"], kv.swap_capacity_bytes)
+    for tier in kv.tiers:  # where evicted prefix blocks went
+        usage.add_metric([f"prefix_{tier.name}"], tier.bytes_held)
+        if tier.capacity_bytes is not None:
+            capacity.add_metric([f"prefix_{tier.name}"], tier.capacity_bytes)
+    usage.add_metric(["device_quantized"], kv.quantized_bytes)
+    yield usage
+    yield capacity
+    error = GaugeMetricFamily(
+        "kvwise_quantization_relative_error",
+        "Mean relative reconstruction error of the blocks stored quantized, per quantizer",
+        labels=["quantizer", "part"],
+    )
+    for name, (keys, values) in kv.quantization_errors.items():
+        error.add_metric([name, "keys"], keys)
+        error.add_metric([name, "values"], values)
+    yield error
+    yield GaugeMetricFamily(
+        "kvwise_spill_ratio",
+        "Of the device blocks given up (preemption, prefix-cache eviction), the share kept on a lower tier",
+        value=kv.spill_ratio,
+    )
+
+
+def _prefix_tier_metrics(kv: KVStats):
+    """Per lower tier of the prefix cache: tokens restored, failures, whether it answers, publishing."""
+    tier_hits = CounterMetricFamily(
+        "kvwise_prefix_cache_tier_hits_tokens",
+        "Prompt tokens whose KV came back from a lower tier",
+        labels=["tier"],
+    )
+    tier_errors = CounterMetricFamily(
+        "kvwise_prefix_tier_errors", "Lower-tier failures (the block is recomputed)", labels=["tier", "kind"]
+    )
+    tier_up = GaugeMetricFamily(
+        "kvwise_prefix_tier_up",
+        "1 while a lower tier answers, 0 while it is down (misses recompute)",
+        labels=["tier"],
+    )
+    published = CounterMetricFamily(
+        "kvwise_prefix_published_blocks",
+        "Computed prefix blocks written to a shared tier at once, for other servers",
+        labels=["tier"],
+    )
+    for tier in kv.tiers:
+        tier_hits.add_metric([tier.name], tier.hits_tokens)
+        tier_errors.add_metric([tier.name, "corrupt"], tier.corrupt)
+        tier_errors.add_metric([tier.name, "unavailable"], tier.errors)
+        tier_up.add_metric([tier.name], float(tier.available))
+        published.add_metric([tier.name], tier.published_blocks)
+    yield tier_hits
+    yield tier_errors
+    yield tier_up
+    yield published
+
+
+def _block_metrics(kv: KVStats):
+    """Blocks swapped between tiers, device blocks by state, the pool's usage, prefix evictions."""
+    swapped = CounterMetricFamily("kvwise_swapped_blocks", "Blocks copied between tiers", labels=["direction"])
+    swapped.add_metric(["out"], kv.swapped_out_blocks)
+    swapped.add_metric(["in"], kv.swapped_in_blocks)
+    yield swapped
+    blocks = GaugeMetricFamily("kvwise_kv_blocks", "Device KV blocks by state", labels=["state"])
+    blocks.add_metric(["free"], kv.free_blocks)
+    blocks.add_metric(["used"], kv.used_blocks)
+    blocks.add_metric(["prefix_cached"], kv.prefix_cached_blocks)
+    yield blocks
+    yield GaugeMetricFamily(
+        "kvwise_kv_cache_usage_ratio",
+        "Share of the device KV pool's blocks in use (prefix-cached blocks count as used)",
+        value=kv.block_usage,
+    )
+    evictions = CounterMetricFamily("kvwise_prefix_cache_evictions_blocks", "Blocks evicted from the prefix cache")
+    evictions.add_metric([], kv.prefix_evictions)
+    yield evictions
 
 
 def adaptive_metrics(controller):

@@ -37,6 +37,19 @@ log = logging.getLogger("kvwise.server")
 
 
 def add_serve_arguments(parser) -> None:
+    """Every flag of `kvwise serve`, in groups: the server, KV memory and scheduling, prefix tiers,
+    requests and their secrets, operations (metrics, timeouts, logs), scale-out, adaptive KV."""
+    _add_server_flags(parser)
+    _add_memory_flags(parser)
+    _add_tier_flags(parser)
+    _add_request_flags(parser)
+    _add_operations_flags(parser)
+    _add_cluster_flags(parser)
+    _add_adaptive_flags(parser)
+
+
+def _add_server_flags(parser) -> None:
+    """The model, where the server listens, who may call it and how much it queues."""
     parser.add_argument(
         "model_tag", nargs="?", default=None, metavar="MODEL", help="HF hub id or local directory (as --model)"
     )
@@ -58,6 +71,10 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument(
         "--max-model-len", type=int, default=None, help="longest prompt and output (default: the model's)"
     )
+
+
+def _add_memory_flags(parser) -> None:
+    """KV memory (pool, swap, quantized blocks), what a step computes, and the prefix cache's shares."""
     memory = parser.add_argument_group("KV memory")
     memory.add_argument(
         "--kv-cache-memory",
@@ -108,43 +125,10 @@ def add_serve_arguments(parser) -> None:
         action="store_true",
         help="without --prefix-quota-blocks, let any tenant fill the prefix cache (default: equal shares)",
     )
-    parser.add_argument("--host-cache-gb", type=float, default=0.0, help="host RAM for evicted prefix blocks (0: none)")
-    parser.add_argument("--disk-cache", default=None, help="directory for evicted prefix blocks, below host RAM")
-    parser.add_argument(
-        "--disk-key-file",
-        default=None,
-        help="hex AES-256 key(s) encrypting and authenticating --disk-cache files, first line encrypting "
-        "(or KVWISE_DISK_KEY)",
-    )
-    parser.add_argument("--disk-cache-gb", type=float, default=None, help="bound on --disk-cache (default: none)")
-    parser.add_argument(
-        "--redis-url",
-        default=None,
-        help="Redis for evicted prefix blocks, last tier (redis://, rediss:// for TLS, user:password@ for ACL "
-        "users; redis+cluster://host:port for a Redis Cluster, any node)",
-    )
-    parser.add_argument(
-        "--redis-key-prefix",
-        default="kvwise:block:",
-        help="the start of every Redis key this server writes (deployments sharing one Redis keep apart)",
-    )
-    parser.add_argument(
-        "--publish-prefixes",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="write newly computed prefix blocks to --redis-url at once, for other servers to reuse "
-        "(default: on with --replicas, else off)",
-    )
-    parser.add_argument(
-        "--redis-hmac-key-file",
-        default=None,
-        help="hex key(s) authenticating Redis entries, first line signing (or KVWISE_REDIS_HMAC_KEY)",
-    )
-    parser.add_argument(
-        "--redis-key-file",
-        default=None,
-        help="hex AES-256 key(s) encrypting Redis entries, first line encrypting (or KVWISE_REDIS_KEY)",
-    )
+
+
+def _add_request_flags(parser) -> None:
+    """What requests may ask for (chat template, kv_quant values) and the keys of their blocks' identity."""
     parser.add_argument(
         "--chat-template",
         default=None,
@@ -167,6 +151,10 @@ def add_serve_arguments(parser) -> None:
         action="store_true",
         help="hold a shared-namespace hit's first token as long as computing it would take (no timing signal)",
     )
+
+
+def _add_operations_flags(parser) -> None:
+    """Metrics, per-tenant fairness, defaults, timeouts against slow clients, and logs."""
     parser.add_argument("--metrics-key", default=None, help="a key that may scrape /metrics, besides `admin` keys")
     parser.add_argument(
         "--metrics-per-tenant", action="store_true", help="label prefix-cache counters by tenant (default: off)"
@@ -193,6 +181,10 @@ def add_serve_arguments(parser) -> None:
     parser.add_argument(
         "--log-request-text", action="store_true", help="with --log-requests: the prompt and output text too"
     )
+
+
+def _add_cluster_flags(parser) -> None:
+    """Scale-out: engine replicas on Ray Serve (read by kvwise.cluster.launch)."""
     cluster = parser.add_argument_group("scale-out on Ray Serve (the cluster extra)")
     cluster.add_argument(
         "--replicas",
@@ -212,35 +204,6 @@ def add_serve_arguments(parser) -> None:
         "prefix tree as Ray Serve LLM's PrefixCacheAffinityRouter",
     )
     cluster.add_argument("--replica-gpus", type=float, default=0, help="GPUs each replica asks Ray for")
-    adaptive = parser.add_argument_group("adaptive KV (kv-policy auto)")
-    adaptive.add_argument(
-        "--kv-policy",
-        choices=["auto"],
-        default=None,
-        help="auto: pick each request's KV mix from the model's calibration profile (default: requests' own)",
-    )
-    adaptive.add_argument(
-        "--kv-budget-gb",
-        type=float,
-        default=None,
-        help="all the KV memory to use (pool, host swap, quantized blocks); sizes the pool instead of --num-blocks",
-    )
-    adaptive.add_argument(
-        "--kv-quality", type=float, default=0.98, help="floor on predicted quality vs the full cache, in (0, 1]"
-    )
-    adaptive.add_argument(
-        "--kv-class-mix",
-        action="append",
-        default=[],
-        metavar="CLASS=MIX",
-        help="pin a request class to a mix, e.g. retrieval=kvzip@0.75+kivi4 (repeatable)",
-    )
-    adaptive.add_argument("--kv-profile", default=None, help="a profile JSON (default: the model's, by fingerprint)")
-    adaptive.add_argument(
-        "--kv-calibrate-on-start",
-        action="store_true",
-        help="without a profile for the model, run `kvwise calibrate --quick` before serving",
-    )
 
 
 def config_file_defaults(parser, path: str) -> dict:
@@ -487,6 +450,39 @@ def kv_cache_dtype(args, kv_quant_options) -> str | None:
     return spec
 
 
+def _add_adaptive_flags(parser) -> None:
+    """Adaptive KV (--kv-policy auto); `adaptive_config` and `adaptive_controller` read them."""
+    adaptive = parser.add_argument_group("adaptive KV (kv-policy auto)")
+    adaptive.add_argument(
+        "--kv-policy",
+        choices=["auto"],
+        default=None,
+        help="auto: pick each request's KV mix from the model's calibration profile (default: requests' own)",
+    )
+    adaptive.add_argument(
+        "--kv-budget-gb",
+        type=float,
+        default=None,
+        help="all the KV memory to use (pool, host swap, quantized blocks); sizes the pool instead of --num-blocks",
+    )
+    adaptive.add_argument(
+        "--kv-quality", type=float, default=0.98, help="floor on predicted quality vs the full cache, in (0, 1]"
+    )
+    adaptive.add_argument(
+        "--kv-class-mix",
+        action="append",
+        default=[],
+        metavar="CLASS=MIX",
+        help="pin a request class to a mix, e.g. retrieval=kvzip@0.75+kivi4 (repeatable)",
+    )
+    adaptive.add_argument("--kv-profile", default=None, help="a profile JSON (default: the model's, by fingerprint)")
+    adaptive.add_argument(
+        "--kv-calibrate-on-start",
+        action="store_true",
+        help="without a profile for the model, run `kvwise calibrate --quick` before serving",
+    )
+
+
 def adaptive_config(args, kv_quant_options):
     """The controller's settings from the flags (errors name the flag), or None without --kv-policy auto."""
     from kvwise.adaptive.controller import AdaptiveConfig
@@ -524,6 +520,47 @@ def adaptive_controller(args, config, model, tokenizer):
         profile_path=args.kv_profile,
         tokenizer=tokenizer,
         calibrate_on_start=args.kv_calibrate_on_start,
+    )
+
+
+def _add_tier_flags(parser) -> None:
+    """Where evicted prefix blocks spill (host RAM, disk, Redis), and their keys; `prefix_tiers` builds them."""
+    parser.add_argument("--host-cache-gb", type=float, default=0.0, help="host RAM for evicted prefix blocks (0: none)")
+    parser.add_argument("--disk-cache", default=None, help="directory for evicted prefix blocks, below host RAM")
+    parser.add_argument(
+        "--disk-key-file",
+        default=None,
+        help="hex AES-256 key(s) encrypting and authenticating --disk-cache files, first line encrypting "
+        "(or KVWISE_DISK_KEY)",
+    )
+    parser.add_argument("--disk-cache-gb", type=float, default=None, help="bound on --disk-cache (default: none)")
+    parser.add_argument(
+        "--redis-url",
+        default=None,
+        help="Redis for evicted prefix blocks, last tier (redis://, rediss:// for TLS, user:password@ for ACL "
+        "users; redis+cluster://host:port for a Redis Cluster, any node)",
+    )
+    parser.add_argument(
+        "--redis-key-prefix",
+        default="kvwise:block:",
+        help="the start of every Redis key this server writes (deployments sharing one Redis keep apart)",
+    )
+    parser.add_argument(
+        "--publish-prefixes",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="write newly computed prefix blocks to --redis-url at once, for other servers to reuse "
+        "(default: on with --replicas, else off)",
+    )
+    parser.add_argument(
+        "--redis-hmac-key-file",
+        default=None,
+        help="hex key(s) authenticating Redis entries, first line signing (or KVWISE_REDIS_HMAC_KEY)",
+    )
+    parser.add_argument(
+        "--redis-key-file",
+        default=None,
+        help="hex AES-256 key(s) encrypting Redis entries, first line encrypting (or KVWISE_REDIS_KEY)",
     )
 
 

@@ -148,3 +148,26 @@ def test_rows_kernel_refuses_rows_outside_the_pool():
     rows, lengths = torch.tensor([[[3, 10]]]), torch.tensor([[2]])
     with pytest.raises(RuntimeError, match="row out of range"):
         kernel(query, keys, keys, rows, lengths, 1.0, 0.0)
+
+
+def test_every_install_compiles_the_same_copies_of_the_sources(tmp_path, monkeypatch):
+    """Two installs of the same kernels (a venv, a worktree) share the build directory that their
+    contents name; both compile its copies, so neither makes ninja rebuild the other's module."""
+    first, second = tmp_path / "one", tmp_path / "two"
+    for install in (first, second):
+        install.mkdir()
+        for source in cpu_kernel.SOURCES:
+            (install / source.name).write_bytes(source.read_bytes())
+    build = tmp_path / "build"
+    build.mkdir()
+    monkeypatch.setattr(cpu_kernel, "SOURCES", sorted(first.glob("*.cpp")))
+    copies = cpu_kernel._sources_in(build)
+    stamps = [copy.stat().st_mtime_ns for copy in copies]
+    monkeypatch.setattr(cpu_kernel, "SOURCES", sorted(second.glob("*.cpp")))
+    assert cpu_kernel._sources_in(build) == copies  # the same paths whichever install asks
+    assert [copy.stat().st_mtime_ns for copy in copies] == stamps  # and untouched: nothing to rebuild
+    assert all(copy.parent == build / "sources" for copy in copies)
+    (second / copies[0].name).write_text("// changed\n")
+    monkeypatch.setattr(cpu_kernel, "SOURCES", sorted(second.glob("*.cpp")))
+    cpu_kernel._sources_in(build)
+    assert copies[0].read_text() == "// changed\n"  # a changed source is copied (its digest differs anyway)

@@ -91,11 +91,27 @@ def _load(build: Path, flags: list[str]):
         print("kvwise: compiling the CPU kernels (once per machine, ~60 s)", file=sys.stderr)
     return cpp_extension.load(
         name,
-        [str(source) for source in SOURCES],
+        [str(source) for source in _sources_in(build)],
         extra_cflags=flags,
         extra_ldflags=["-fopenmp"],
         build_directory=str(build),
     )
+
+
+def _sources_in(build: Path) -> list[Path]:
+    """Copies of the sources inside the build directory. Its name hashes their contents, so every
+    install of the same kernels on this machine (another venv, a git worktree) compiles the same
+    paths; from their own paths, each would make ninja rebuild what the other built. A copy is
+    rewritten only when its bytes differ, so an unchanged one keeps its time and is not rebuilt."""
+    folder = build / "sources"
+    folder.mkdir(exist_ok=True)
+    copies = []
+    for source in SOURCES:
+        copy, data = folder / source.name, source.read_bytes()
+        if not copy.exists() or copy.read_bytes() != data:
+            copy.write_bytes(data)
+        copies.append(copy)
+    return copies
 
 
 @contextlib.contextmanager

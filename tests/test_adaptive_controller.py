@@ -74,7 +74,7 @@ def test_classes_from_features_and_hints():
 
 def _occupied(core, blocks: int) -> None:
     """Blocks held outside any request (another tenant's work, as far as the controller sees)."""
-    core.kv.pool.allocate(blocks)
+    core.kv._pool.allocate(blocks)
 
 
 @pytest.mark.parametrize(

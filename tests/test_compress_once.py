@@ -46,13 +46,13 @@ def test_later_questions_reuse_the_compressed_document_and_answer_as_if_compress
     assert _first_chunk_start(core, first) == 0
     for request in later:
         assert _first_chunk_start(core, request) == len(DOCUMENT)  # only the question was computed
-    assert core.kv.compressed.hits == 2 and len(core.kv.compressed) == 1
+    assert core.kv._compressed.hits == 2 and len(core.kv._compressed) == 1
     for question, request in zip(QUESTIONS[1:], later):
         alone = _ask(_engine(llama), question, mix)  # a fresh engine compresses the same document
         assert request.output == alone.output
         assert request.compressed_kv_bytes == alone.compressed_kv_bytes
     # the cache holds the region, no request does
-    assert core.kv.compressed.entries and all(e.region.holders == 1 for e in core.kv.compressed.entries.values())
+    assert core.kv._compressed.entries and all(e.region.holders == 1 for e in core.kv._compressed.entries.values())
 
 
 def test_another_tenant_mix_or_preamble_is_another_entry(llama):
@@ -61,9 +61,9 @@ def test_another_tenant_mix_or_preamble_is_another_entry(llama):
     _ask(core, QUESTIONS[1], tenant="bob")
     _ask(core, QUESTIONS[1], mix="kvzip@0.5")
     _ask(core, QUESTIONS[1], document=[5, 6, 7, 8] + DOCUMENT)  # another system prompt before it
-    assert core.kv.compressed.hits == 0 and len(core.kv.compressed) == 4
+    assert core.kv._compressed.hits == 0 and len(core.kv._compressed) == 4
     _ask(core, QUESTIONS[2], tenant="bob")
-    assert core.kv.compressed.hits == 1
+    assert core.kv._compressed.hits == 1
 
 
 def test_compressed_documents_give_way_under_memory_pressure_and_are_zeroed(llama):
@@ -71,12 +71,12 @@ def test_compressed_documents_give_way_under_memory_pressure_and_are_zeroed(llam
     documents = [random_ids(1, 80, seed=30 + i)[0].tolist() for i in range(8)]
     for document in documents:
         _ask(core, QUESTIONS[0], document=document)
-    assert core.kv.compressed.evictions > 0
-    while len(core.kv.compressed):
-        core.kv._let_go(core.kv.compressed.evict_one()[1].region)
-    core.kv.tree.evict(core.kv.pool.num_blocks)
-    assert core.kv.pool.stats().used == 0 and core.kv.head_pages.used_pages == 0
-    assert not core.kv.storage.all_keys.any() and not core.kv.storage.all_values.any()
+    assert core.kv._compressed.evictions > 0
+    while len(core.kv._compressed):
+        core.kv._let_go(core.kv._compressed.evict_one()[1].region)
+    core.kv._tree.evict(core.kv._pool.num_blocks)
+    assert core.kv._pool.stats().used == 0 and core.kv._head_pages.used_pages == 0
+    assert not core.kv._storage.all_keys.any() and not core.kv._storage.all_values.any()
 
 
 def test_a_document_as_long_as_the_prompt_is_compressed_but_not_reused(llama):
@@ -95,18 +95,18 @@ def test_a_document_pushed_off_the_device_comes_back_from_a_tier_bit_for_bit(lla
     tier = HostTier(1 << 28) if tier_kind == "host" else DiskTier(tmp_path)
     core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=48, token_budget=128), tiers=[tier])
     first = _ask(core, QUESTIONS[0], mix)
-    entry = next(iter(core.kv.compressed.entries.values()))
+    entry = next(iter(core.kv._compressed.entries.values()))
     region = entry.region
-    before = [part.clone() for layer in range(3) for part in region.read(core.kv.storage, layer)]
+    before = [part.clone() for layer in range(3) for part in region.read(core.kv._storage, layer)]
     for seed in range(8):  # other documents push it off the device, to the tier
         _ask(core, QUESTIONS[0], mix, document=random_ids(1, 80, seed=40 + seed)[0].tolist())
-    assert core.kv.compressed.spilled > 0 and entry not in core.kv.compressed.entries.values()
+    assert core.kv._compressed.spilled > 0 and entry not in core.kv._compressed.entries.values()
     again = _ask(core, QUESTIONS[0], mix)
-    assert core.kv.compressed.restored >= 1 and again.compressed_hit
+    assert core.kv._compressed.restored >= 1 and again.compressed_hit
     assert _first_chunk_start(core, again) == len(DOCUMENT)  # only the question was computed
     assert again.output == first.output
-    restored = next(e for e in core.kv.compressed.entries.values() if e.tokens == tuple(DOCUMENT))
-    after = [part for layer in range(3) for part in restored.region.read(core.kv.storage, layer)]
+    restored = next(e for e in core.kv._compressed.entries.values() if e.tokens == tuple(DOCUMENT))
+    after = [part for layer in range(3) for part in restored.region.read(core.kv._storage, layer)]
     assert all(torch.equal(a, b) for a, b in zip(before, after))  # quantized codes came back as they were
     assert restored.region.counts == region.counts
 
@@ -122,9 +122,9 @@ def test_a_tier_entry_of_an_older_format_is_a_miss(llama, monkeypatch, tmp_path)
     for seed in range(8):
         _ask(core, QUESTIONS[0], document=random_ids(1, 80, seed=40 + seed)[0].tolist())
     monkeypatch.setattr(payload, "VERSION", 2)
-    assert core.kv.compressed.spilled > 0
+    assert core.kv._compressed.spilled > 0
     again = _ask(core, QUESTIONS[1])
-    assert not again.compressed_hit and core.kv.compressed.restored == 0
+    assert not again.compressed_hit and core.kv._compressed.restored == 0
     assert tier.stats.corrupt > 0  # read, refused, deleted
 
 
@@ -142,8 +142,8 @@ def test_a_region_of_the_previous_stored_form_is_a_miss(llama, monkeypatch, tmp_
     first = _ask(core, QUESTIONS[0], mix)
     for seed in range(8):
         _ask(core, QUESTIONS[0], mix, document=random_ids(1, 80, seed=40 + seed)[0].tolist())
-    assert core.kv.compressed.spilled > 0
+    assert core.kv._compressed.spilled > 0
     monkeypatch.setattr(compressed_payload, "FORMAT", "kvwise-head-region/2")
     again = _ask(core, QUESTIONS[0], mix)
-    assert not again.compressed_hit and core.kv.compressed.restored == 0
+    assert not again.compressed_hit and core.kv._compressed.restored == 0
     assert again.output == first.output  # computed again, to the same answer

@@ -18,11 +18,11 @@ from kvwise.engine.sampling import SamplingParams
 
 def assert_only_prefix_cache_holds_blocks(core: EngineCore) -> None:
     """Every block is free or held once, by the prefix tree alone, and nothing is locked."""
-    held = {node.block for node in core.kv.tree.nodes()}
-    for block, count in enumerate(core.kv.pool.ref_counts):
+    held = {node.block for node in core.kv._tree.nodes()}
+    for block, count in enumerate(core.kv._pool.ref_counts):
         assert count == (1 if block in held else 0), (block, count)
-        assert core.kv.pool.is_free(block) == (block not in held)
-    assert all(node.locks == 0 for node in core.kv.tree.nodes())
+        assert core.kv._pool.is_free(block) == (block not in held)
+    assert all(node.locks == 0 for node in core.kv._tree.nodes())
     assert not core.scheduler.running and not core.scheduler.waiting
 
 
@@ -67,7 +67,7 @@ def test_only_the_marked_segment_uses_the_shared_namespace(llama):
     core.add(first)
     while core.has_work:
         core.step()
-    assert {node.tenant for node in core.kv.tree.nodes()} == {"alice"}  # charged to the writer's quota
+    assert {node.tenant for node in core.kv._tree.nodes()} == {"alice"}  # charged to the writer's quota
     private = core.make_request(system + rest, SamplingParams(max_tokens=1), tenant="bob")
     opted_in = core.make_request(system + rest, SamplingParams(max_tokens=1), tenant="bob")
     opted_in.shared_prefix_tokens = len(system)
@@ -102,7 +102,7 @@ def test_block_keys_differ_between_servers_with_different_secrets(llama):
         core.add(request)
         while core.has_work:
             core.step()
-        keys.append({node.key for node in core.kv.tree.nodes()})
+        keys.append({node.key for node in core.kv._tree.nodes()})
     assert keys[0] and not keys[0] & keys[1]
 
 
@@ -152,7 +152,7 @@ def test_a_per_request_policy_changes_only_that_request(llama):
     _run(core, mixed, until=lambda: squeezed.computed >= len(squeezed.prompt))
     kept = 28  # round(57 * 0.5): ties go to the even count (policies.selection)
     # evicted right after its prefill: each head keeps its 28 tokens in head pages...
-    page_tokens = core.kv.head_pages.page_tokens
+    page_tokens = core.kv._head_pages.page_tokens
     assert squeezed.region.counts == [[kept] * 2] * 3 and squeezed.region.num_pages == 3 * 2 * math.ceil(
         kept / page_tokens
     )
@@ -168,7 +168,7 @@ def test_shared_prefix_blocks_stay_intact_and_max_kv_tokens_caps_decoding(llama)
     prefix = list(range(3, 27))  # 6 blocks
     first = core.make_request(prefix + [30, 31, 32], SamplingParams(max_tokens=1))
     _run(core, [first])
-    cached = {node.block: core.kv.storage.keys[0][node.block].clone() for node in core.kv.tree.nodes()}
+    cached = {node.block: core.kv._storage.keys[0][node.block].clone() for node in core.kv._tree.nodes()}
     capped = core.make_request(
         prefix + list(range(40, 70)),
         SamplingParams(max_tokens=40, temperature=0),
@@ -184,7 +184,7 @@ def test_shared_prefix_blocks_stay_intact_and_max_kv_tokens_caps_decoding(llama)
     assert capped.reused == 24 and len(capped.output) == 40
     assert most_private <= 8 + 4 + 1  # evicted back to 8 whenever a block's worth piled up
     for block, keys in cached.items():  # the shared prefix was read, never rewritten
-        assert torch.equal(core.kv.storage.keys[0][block], keys)
+        assert torch.equal(core.kv._storage.keys[0][block], keys)
     assert_only_prefix_cache_holds_blocks(core)
 
 
@@ -221,9 +221,9 @@ def test_preemption_by_recompute_or_host_swap_keeps_outputs(llama, swap_space_by
     assert [r.output for r in outputs] == [r.output for r in expected]
     assert [streamed[id(r)] for r in outputs] == [r.output for r in expected]  # no token sent twice
     if swap_space_bytes:
-        swap = tight.kv.swap
+        swap = tight.kv._swap
         assert swap.swapped_out_blocks > 0 and swap.swapped_in_blocks == swap.swapped_out_blocks
-        assert tight.kv.recomputed_blocks == 0 and tight.kv.swap.used_bytes == 0
+        assert tight.kv.recomputed_blocks == 0 and tight.kv._swap.used_bytes == 0
     else:
         assert tight.kv.recomputed_blocks > 0
     assert_only_prefix_cache_holds_blocks(tight)
@@ -247,11 +247,11 @@ def test_a_per_request_quantizer_stores_private_blocks_quantized(llama):
         core.step()
         if not quantized.done:
             device_blocks.append(quantized.blocks.count(Place.DEVICE))
-    pool = core.kv.quant_pools[kv.quant]
+    pool = core.kv._quant_pools[kv.quant]
     assert pool.quantized_blocks >= 10  # blocks 1 .. 16 - 2 residual, and more while decoding
     assert min(device_blocks) <= 1 + 2 + 1  # sink block + residual window (+ the open block)
     assert 0 < pool.mean_error("keys") < 0.2 and 0 < pool.mean_error("values") < 0.2
-    assert pool.block_bytes < core.kv.storage.nbytes() // 128 / 3  # 4-bit codes: real bytes saved
+    assert pool.block_bytes < core.kv._storage.nbytes() // 128 / 3  # 4-bit codes: real bytes saved
     assert other.output == plain[1].output  # the other request is untouched
     assert quantized.output[0] == plain[0].output[0]  # sampled before anything was quantized
     assert pool.pool.stats().used == 0  # quantized blocks went back too
@@ -271,7 +271,7 @@ def test_prompts_that_only_fit_one_at_a_time_still_finish(llama):
     outputs = [tight.make_request(p, params) for p in prompts]
     _run(tight, outputs)
     assert [r.output for r in outputs] == [r.output for r in expected]
-    assert tight.kv.pool.stats().used == 0
+    assert tight.kv._pool.stats().used == 0
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(llama):

@@ -39,7 +39,7 @@ def engine(model, batches, max_tokens, budget=16, reuse=True, num_blocks=64, cpu
     storage.attach(pool)
     kv = KVCacheManager(pool, RadixCache(pool) if reuse else None, default_namespace("tiny"), storage)
     scheduler = Scheduler(kv, token_budget=budget)
-    runner = ModelRunner(model, storage, cpu_kernel=cpu_kernel)
+    runner = ModelRunner(model, kv.runner_view(), cpu_kernel=cpu_kernel)
     if cpu_kernel and runner.decode_kernel is None:
         pytest.skip("no CPU decode kernel on this machine (test_cpu_kernel says why)")
     results = []

@@ -12,6 +12,7 @@ from kvwise.engine.core import EngineCore
 from kvwise.engine.sampling import SamplingParams
 from kvwise.tiers.disk import DiskTier
 from kvwise.tiers.host import HostTier
+from kvwise.util.fingerprint import forget_weights_fingerprint
 
 CONFIG = CacheConfig(block_size=4, num_blocks=40, token_budget=64, max_running=4)
 
@@ -66,7 +67,7 @@ def test_a_corrupt_disk_block_is_recomputed_with_the_same_output(llama, tmp_path
     again = run(core, prompt(4))
     assert again.output == first.output
     assert again.reused == 0 and core.kv.prefix_stats.recomputed_blocks >= 1
-    assert core.kv.tiers.tiers[0].stats.corrupt >= 1
+    assert core.kv._tiers.tiers[0].stats.corrupt >= 1
 
 
 def test_a_tier_block_of_another_geometry_is_a_miss_and_leaks_nothing(llama):
@@ -80,8 +81,8 @@ def test_a_tier_block_of_another_geometry_is_a_miss_and_leaks_nothing(llama):
         host._blocks[key] = torch.zeros(2, 2, 4, 1, 8)
     again = run(core, prompt(6))
     assert again.output == first.output and again.reused == 0 and host.stats.corrupt >= 1
-    held = {node.block for node in core.kv.tree.nodes()}
-    assert all(count == (block in held) for block, count in enumerate(core.kv.pool.ref_counts))
+    held = {node.block for node in core.kv._tree.nodes()}
+    assert all(count == (block in held) for block, count in enumerate(core.kv._pool.ref_counts))
 
 
 def test_tenants_do_not_get_each_others_spilled_blocks(llama):
@@ -111,7 +112,7 @@ def test_a_tenant_at_its_quota_cannot_flush_another(llama):
         run(core, prompt(10), tenant="alice")
         for seed in range(11, 15):
             run(core, prompt(seed), tenant="bob")
-        outcomes[name] = (core.kv.tree.usage["bob"], run(core, prompt(10), tenant="alice").reused)
+        outcomes[name] = (core.kv._tree.usage["bob"], run(core, prompt(10), tenant="alice").reused)
     assert outcomes["none"][1] == 0  # no quota at all: alice's prefix was flushed
     assert outcomes["quota"][0] <= 12 and outcomes["quota"][1] == 40
     assert outcomes["fair"][0] <= 20 and outcomes["fair"][1] == 40
@@ -179,7 +180,7 @@ def test_every_tampered_disk_entry_is_detected_counted_and_recomputed(llama, tmp
     files = sorted(tmp_path.glob("*/*.kvb"))
     assert len(files) >= 10
     _damage(kind, files, tmp_path)
-    disk = core.kv.tiers.tiers[0]
+    disk = core.kv._tiers.tiers[0]
     again = run(core, prompt(4))
     assert again.output == first.output and again.reused == 0  # nothing tampered is served
     assert disk.stats.corrupt >= 1 and disk.stats.hits == 0
@@ -194,8 +195,7 @@ def test_entries_of_other_weights_are_misses(llama, tmp_path):
     flush_device(core, seed=5)
     with torch.no_grad():
         llama.model.layers[0].self_attn.k_proj.weight.mul_(1.5)  # new weights, same object and path
-    llama._kvwise_fingerprint = None
-    llama._kvwise_attention_shapes = None
+    forget_weights_fingerprint(llama)
     retrained = EngineCore(llama, None, CONFIG, tiers=[DiskTier(tmp_path, mac_key=b"k" * 32)], namespace_key=b"n" * 32)
     again = run(retrained, prompt(4))
     assert again.reused == 0 and retrained.kv.prefix_stats.hits_tokens.get("disk", 0) == 0
@@ -211,4 +211,4 @@ def test_a_tier_that_raises_on_read_is_a_miss_not_a_failed_step(llama):
     flush_device(core, seed=5)
     again = run(core, prompt(4))
     assert again.output == first.output and again.reused == 0 and again.error is None
-    assert core.kv.tiers.tiers[0].stats.errors >= 1 and "a bug in a tier" in core.kv.tiers.tiers[0].last_error
+    assert core.kv._tiers.tiers[0].stats.errors >= 1 and "a bug in a tier" in core.kv._tiers.tiers[0].last_error

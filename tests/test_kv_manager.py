@@ -62,7 +62,7 @@ def test_can_allocate_reclaims_cached_prefixes_but_never_a_running_request():
     kv.allocate(running, 8)
     newcomer = Request(list(range(200, 212)))
     assert not kv.can_allocate(newcomer, 12)  # 3 blocks: the running request's 2 are not reclaimable
-    assert pool.num_free == 2 and len(kv.tree) == 0  # but the cached prefix was given up on the way
+    assert pool.num_free == 2 and len(kv._tree) == 0  # but the cached prefix was given up on the way
     assert len(running.blocks) == 2 and running.blocks.all_in(Place.DEVICE)
 
 
@@ -77,7 +77,7 @@ def test_stats_add_up_after_preemptions_by_host_swap(llama):
     assert stats.free_blocks + stats.used_blocks == stats.num_blocks == 16
     assert stats.used_blocks == stats.prefix_cached_blocks  # only the prefix cache holds blocks
     assert 0 < stats.peak_used_blocks <= 16 and stats.swap_used_bytes == 0 and stats.spill_ratio > 0
-    assert stats.used_bytes == stats.used_blocks * core.kv.storage.nbytes() // 16
+    assert stats.used_bytes == stats.used_blocks * core.kv._storage.nbytes() // 16
 
 
 def test_a_forward_leaves_no_step_state_behind(llama):

@@ -150,6 +150,6 @@ def test_the_engine_stores_lowrank_blocks_and_pages(llama, home, plain_mix, mix)
         outputs.append(request.output)
         cores.append(core)
     assert outputs[1] == outputs[0]
-    stores = {**cores[1].kv.quant_pools, **cores[1].kv.quantized_pages}
+    stores = {**cores[1].kv._quant_pools, **cores[1].kv._quantized_pages}
     assert stores and all(store.quantizer.key_codec.attached for store in stores.values())
     assert sum(getattr(store, "quantized_blocks", 1) for store in stores.values()) > 0

@@ -94,7 +94,7 @@ def _engine(model, ids, upto, policy, quant):
             seen["page_bytes"] = region.page_bytes
             seen["layers"], seen["bytes"] = {}, {}
             for layer in range(len(region.counts)):
-                keys, values = region.read(core.kv.storage, layer)
+                keys, values = region.read(core.kv._storage, layer)
                 valid = region.valid[layer]
                 sinks = region.sink_keys[layer].nbytes + region.sink_values[layer].nbytes
                 seen["bytes"][layer] = len(region.page_ids[layer]) * region.page_bytes + sinks

@@ -36,7 +36,7 @@ def test_a_failed_swap_recomputes_and_leaks_nothing(llama, monkeypatch, failing)
     expected = [roomy.make_request(p, params) for p in prompts]
     _run(roomy, expected)
     tight = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=16, swap_space_bytes=1 << 24))
-    original = getattr(tight.kv.swap, failing)
+    original = getattr(tight.kv._swap, failing)
     calls = {"n": 0}
 
     def broken(*args, **kwargs):
@@ -45,12 +45,12 @@ def test_a_failed_swap_recomputes_and_leaks_nothing(llama, monkeypatch, failing)
             raise RuntimeError("host memory refused")
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(tight.kv.swap, failing, broken)
+    monkeypatch.setattr(tight.kv._swap, failing, broken)
     outputs = [tight.make_request(p, params) for p in prompts]
     _run(tight, outputs)
     assert calls["n"] >= 1 and tight.scheduler.preemptions > 0
     assert [r.output for r in outputs] == [r.output for r in expected]
-    assert tight.kv.recomputed_blocks > 0 and tight.kv.swap.used_bytes == 0
+    assert tight.kv.recomputed_blocks > 0 and tight.kv._swap.used_bytes == 0
     assert_only_prefix_cache_holds_blocks(tight)
 
 
@@ -60,7 +60,7 @@ def test_swapped_out_host_copies_are_zeroed_when_dropped(llama):
     core.add(request)
     core.step()
     assert request.blocks
-    swapped = core.kv.swap.swap_out(request.blocks.block_ids)
+    swapped = core.kv._swap.swap_out(request.blocks.block_ids)
     assert torch.count_nonzero(swapped.keys) > 0
-    core.kv.swap.drop(swapped)
+    core.kv._swap.drop(swapped)
     assert torch.count_nonzero(swapped.keys) == 0 and torch.count_nonzero(swapped.values) == 0

@@ -186,7 +186,7 @@ def test_a_thousand_quantizer_spellings_build_at_most_the_allowed_pools(server):
         status = raw("/v1/completions", json.dumps(body).encode()).status_code
         statuses[status] = statuses.get(status, 0) + 1
     assert statuses == {200: 50, 400: 950}
-    assert len(server.engine.core.kv.quant_pools) <= 1  # one pool: the canonical kivi4
+    assert len(server.engine.core.kv._quant_pools) <= 1  # one pool: the canonical kivi4
 
 
 def test_n_of_a_billion_is_refused_at_once_and_health_stays_fast(server):

@@ -40,7 +40,7 @@ def test_a_prefix_computed_on_one_server_is_a_redis_hit_on_another(llama, redis_
     prompt = list(range(5 + publish, 5 + publish + 41))  # 10 full blocks before the last token; one per case
     expected = _run(first, prompt)
     if publish:
-        assert first.kv.tiers.publisher.flush()
+        assert first.kv._tiers.publisher.flush()
     assert _run(second, prompt) == expected  # the same answer either way
     restored = second.kv.stats().tiers[0].hits_tokens
     if publish:  # the first server evicted nothing: the blocks came from publishing

@@ -47,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--version", action="version", version=f"kvwise {__version__}")
     add_serve_arguments(serve)
+    parser.serve_parser = serve  # main() reads --config files against serve's own flags
 
     check = commands.add_parser(
         "check-model", help="check that kvwise computes what a model computes (engine and cache against generate)"
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
         if getattr(args, "config", None):  # the file's values become defaults: flags given still win
             from kvwise.server.serve import config_file_defaults
 
-            serve = parser._subparsers._group_actions[0].choices["serve"]
+            serve = parser.serve_parser
             serve.set_defaults(**config_file_defaults(serve, args.config))
             args = parser.parse_args(argv)
         status = _COMMANDS[args.command](args)

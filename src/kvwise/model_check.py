@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvwise.hf.attention import attention_implementation
 from kvwise.policies.selection import kept_per_head
 
 # float32: what the engine's reordered reductions (paged blocks, fused kernels) move logits by
@@ -44,7 +45,7 @@ class Verdict:
 def reference_attention(model):
     """The model's own attention while the block runs (eager where SDPA cannot express the
     model, e.g. soft-capped logits), then whatever the model used before."""
-    previous = model.config._attn_implementation
+    previous = attention_implementation(model)
     capped = getattr(model.config.get_text_config(decoder=True), "attn_logit_softcapping", None)
     try:
         model.set_attn_implementation("sdpa" if not capped else "eager")
@@ -103,7 +104,7 @@ def check_engine(
     from kvwise.engine.core import EngineCore
     from kvwise.engine.sampling import SamplingParams
 
-    previous = model.config._attn_implementation
+    previous = attention_implementation(model)
     longest = max(len(prompt) for batch in prompt_batches for prompt in batch) + max_tokens
     blocks = sum(len(batch) for batch in prompt_batches) * (-(-longest // block_size) + 1) + 8
     config = CacheConfig(
@@ -164,7 +165,7 @@ def check_full_cache(model, ids: list[int], max_tokens: int = 6, tolerance: floa
     """KVWiseCache(policy="full") against the model's own cache, prefill then decode."""
     from kvwise.hf.cache import KVWiseCache
 
-    previous = model.config._attn_implementation
+    previous = attention_implementation(model)
     prompt = torch.tensor([ids], device=model.device)
     with reference_attention(model):
         expected_tokens, expected = _generate_logits(model, prompt, max_tokens)
@@ -185,7 +186,7 @@ def check_ratio_zero(
     """compress_context at ratio 0, then the question: the model's own continuation, exactly."""
     from kvwise.hf.cache import KVWiseCache
 
-    previous = model.config._attn_implementation
+    previous = attention_implementation(model)
     whole = torch.tensor([context + question], device=model.device)
     with reference_attention(model):
         expected_tokens, expected = _generate_logits(model, whole, max_tokens)
@@ -218,7 +219,7 @@ def check_budgets(model, context: list[int], policy: str, ratio: float, tokenize
         scorer.attach(model)
     except ValueError as error:  # a learned scorer not trained on this model yet (kvzap)
         return Verdict(f"budgets {policy}", True, f"not checked: {error}")
-    previous = model.config._attn_implementation
+    previous = attention_implementation(model)
     ids = torch.tensor([context], device=model.device)
     with reference_attention(model), torch.no_grad():
         reference = DynamicCache(config=model.config)
@@ -232,7 +233,7 @@ def check_budgets(model, context: list[int], policy: str, ratio: float, tokenize
     full_layers = [layer for layer in cache.layers if isinstance(layer, CompressingLayer)]
     for layer in full_layers:
         keys, _, valid = layer.padded()  # [1, kv_heads, max_len, dim]
-        positions = layer._padded_positions(valid)
+        positions = layer.padded_positions(valid)
         expected_keys = reference.layers[layer.layer_idx].keys  # [1, kv_heads, len, dim]
         for head in range(keys.shape[1]):
             kept = positions[0, head][valid[0, head]].long()

@@ -250,10 +250,10 @@ def measure_in_engine(model, tokenizer, mix: str, probes: list[tuple[int, Probe]
             if request.done:
                 continue
             if request.output or (request.prompt_logprobs is None and request.computed >= request.compression_point):
-                held[id(request)] = core.kv.request_bytes(request)
+                held[request] = core.kv.request_bytes(request)
             elif request.prompt_logprobs is not None and _compressed(request):
                 # a chat probe: what its compressed prompt holds, before the continuation is read
-                held.setdefault(id(request), core.kv.request_bytes(request))
+                held.setdefault(request, core.kv.request_bytes(request))
     seconds = time.perf_counter() - started
     prompt_tokens = sum(probe.prompt_ids.shape[1] for _, probe in probes)
     rows = {}
@@ -261,7 +261,7 @@ def measure_in_engine(model, tokenizer, mix: str, probes: list[tuple[int, Probe]
         if request.error is not None:
             raise RuntimeError(f"calibrating {mix}: the engine failed a {probe.klass} probe: {request.error}")
         length = probe.prompt_ids.shape[1]
-        row = {"bytes": held.get(id(request), 0), "full_bytes": full_kv_bytes(model, length - 1, model.dtype.itemsize)}
+        row = {"bytes": held.get(request, 0), "full_bytes": full_kv_bytes(model, length - 1, model.dtype.itemsize)}
         if probe.klass == "retrieval":
             row["correct"] = probe.answer in tokenizer.decode(request.output)
         elif probe.klass == "chat":

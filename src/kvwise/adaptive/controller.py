@@ -35,6 +35,7 @@ from kvwise.adaptive.profile import MixProfile, Profile, check_class
 from kvwise.adaptive.request_class import check_hint, classify
 from kvwise.engine.block_table import Place
 from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.request import Request
 from kvwise.policies.mix import parse_mix
 from kvwise.policies.registry import make_policy
 
@@ -70,7 +71,7 @@ class AdaptiveController:
         self.level = 0  # rungs in force (0: none)
         self.engine = None
         self._steps_since_move = 0
-        self._pending: dict[int, tuple[object, str, int]] = {}  # id(request) -> (request, action, bytes before)
+        self._pending: dict[Request, tuple[str, int]] = {}  # request -> (action, bytes before)
         self._seen = {"swapped": 0, "recomputed": 0, "held": 0}  # the engine's counts when last read
         self._steps = 0
         self._promised = 0  # blocks the requests admitted since the last step will take at full size
@@ -94,7 +95,7 @@ class AdaptiveController:
         choice = self.choose(request)
         request.kv_choice = choice
         if choice.mix != "full":
-            request.kv = KVSettings.from_mix(choice.mix)
+            self.engine.kv.assign_settings(request, KVSettings.from_mix(choice.mix))
         self.decisions.record_choice(request.request_id, choice)
 
     def choose(self, request) -> Choice:
@@ -128,7 +129,7 @@ class AdaptiveController:
         well as the prompt: under pressure it usually does not, and a pass that cannot borrow its
         blocks sends the request back to be computed again."""
         free = self.engine.kv.free_blocks() - self._promised
-        return free * self.engine.kv.pool.block_size >= 2 * (len(request.prompt) + self.engine.kv.pool.block_size)
+        return free * self.engine.kv.block_size >= 2 * (len(request.prompt) + self.engine.kv.block_size)
 
     def _allowed(self, entry: MixProfile) -> bool:
         quant = entry.quant
@@ -147,7 +148,7 @@ class AdaptiveController:
         return self._promised + own <= self.engine.kv.free_blocks()
 
     def _blocks(self, tokens: int) -> int:
-        return -(-tokens // self.engine.kv.pool.block_size)
+        return -(-tokens // self.engine.kv.block_size)
 
     # ---- pressure ------------------------------------------------------------------------------
     def before_step(self) -> None:
@@ -172,8 +173,9 @@ class AdaptiveController:
         if self.level == 0 or usage < self.config.low_watermark:
             return
         reason = "held back" if recently else "holding"
+        actions = {"quantize": self._quantize, "compress": self._compress, "spill": self._spill}
         for rung in self.RUNGS[: self.level]:
-            getattr(self, f"_{rung}")(reason)
+            actions[rung](reason)
 
     def pressure(self) -> tuple[float, bool]:
         """(the pool's usage in [0, 1], whether memory held a request back since the last step:
@@ -181,7 +183,7 @@ class AdaptiveController:
         scheduler, kv = self.engine.scheduler, self.engine.kv
         held = scheduler.memory_stalls + scheduler.preemptions
         held_back, self._seen["held"] = held > self._seen["held"], held
-        return 1 - kv.free_blocks() / kv.pool.num_blocks, held_back
+        return kv.usage(), held_back
 
     def _candidates(self):
         """Running auto requests past their prefill (not pinned), longest first."""
@@ -208,7 +210,7 @@ class AdaptiveController:
                 continue
             kv = self.engine.kv
             before, previous = kv.request_bytes(request), request.kv_choice
-            request.kv = KVSettings.from_mix(entry.mix)
+            kv.assign_settings(request, KVSettings.from_mix(entry.mix))
             request.kv_choice = Choice(entry.mix, self._klass(request), "pressure", entry.quality[self._klass(request)])
             failed = kv.quantize_settled([request])
             if failed:  # that request keeps its blocks as they were
@@ -247,11 +249,11 @@ class AdaptiveController:
             if entry is None or private < self.config.min_prompt_tokens:
                 continue
             mix = parse_mix(entry.mix)
-            cap = max(kv.pool.block_size, round((1 - mix.ratio) * private))
+            cap = max(kv.block_size, round((1 - mix.ratio) * private))
             settings = KVSettings(mix.policy, 0.0, cap, None, dict(mix.policy_options))
-            request.kv = settings
+            kv.assign_settings(request, settings)
             request.kv_choice = Choice(f"{mix.policy}@max={cap}", klass, "pressure", entry.quality[klass])
-            self._pending[id(request)] = (request, "compress", kv.request_bytes(request))
+            self._pending[request] = ("compress", kv.request_bytes(request))
             self.decisions.record("compress", reason, request.request_id, 0, f"cap={cap} ({entry.mix})")
             return True
         return False
@@ -266,32 +268,31 @@ class AdaptiveController:
 
     def _spill(self, reason: str) -> bool:
         kv = self.engine.kv
-        if kv.tree is None:
+        if not kv.prefix_caching:
             return False
-        wanted = max(1, kv.pool.num_blocks // 16)
-        evicted = kv.tree.evict(wanted)
+        evicted = kv.spill_cold_prefixes(max(1, kv.num_blocks // 16))
         if evicted:
-            where = "tiers" if kv.tiers is not None else "dropped"
-            self.decisions.record("spill", reason, "", evicted * kv.storage.block_bytes, where)
+            where = "tiers" if kv.has_tiers else "dropped"
+            self.decisions.record("spill", reason, "", evicted * kv.block_bytes, where)
         return bool(evicted)
 
     def _settle_pending(self) -> None:
         """Bytes a cap freed, once its eviction ran (the request holds a region then)."""
         kv = self.engine.kv
-        for key, (request, action, before) in list(self._pending.items()):
+        for request, (action, before) in list(self._pending.items()):
             if request.done or request.region is not None:
-                del self._pending[key]
+                del self._pending[request]
                 if not request.done:
                     self.decisions.bytes_freed[action] += max(0, before - kv.request_bytes(request))
 
     def _count_scheduler_actions(self) -> None:
         kv = self.engine.kv  # two counters, read every step: not a whole stats() snapshot
-        swapped, recomputed = kv.swap.swapped_out_blocks if kv.swap is not None else 0, kv.recomputed_blocks
+        swapped, recomputed = kv.swapped_out_blocks, kv.recomputed_blocks
         if swapped > self._seen["swapped"]:
-            self.decisions.record("swap", "no blocks", freed=(swapped - self._seen["swapped"]) * kv.storage.block_bytes)
+            self.decisions.record("swap", "no blocks", freed=(swapped - self._seen["swapped"]) * kv.block_bytes)
         if recomputed > self._seen["recomputed"]:
             self.decisions.record(
-                "preempt", "no blocks", freed=(recomputed - self._seen["recomputed"]) * kv.storage.block_bytes
+                "preempt", "no blocks", freed=(recomputed - self._seen["recomputed"]) * kv.block_bytes
             )
         self._seen.update(swapped=swapped, recomputed=recomputed)
 

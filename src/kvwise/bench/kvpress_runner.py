@@ -148,7 +148,7 @@ def run_trial(pipeline, press, trial: dict, mode: str, num_new_tokens: int) -> d
         compressed_ids, rest_ids = whole[:, :-1], whole[:, -1:]
     started = time.perf_counter()
     with torch.no_grad():
-        answers = pipeline._forward(
+        answers = pipeline._forward(  # noqa: SLF001  (kvpress's own prefill-compress-generate step, on our ids)
             {"context_ids": compressed_ids, "questions_ids": [rest_ids]},
             max_new_tokens=num_new_tokens,
             press=press,

@@ -147,7 +147,7 @@ def run_load(config: LoadConfig, out_dir: Path) -> dict:
 
     def sample():
         while not stop_sampling.wait(0.5):
-            used = core.kv.pool.stats().used
+            used = core.kv.stats().used_blocks
             samples.append({"t": time.monotonic() - started, "rss_bytes": _rss_bytes(), "used_blocks": used})
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -169,10 +169,8 @@ def run_load(config: LoadConfig, out_dir: Path) -> dict:
         time.sleep(0.1)  # hung-up requests are cancelled on the engine thread
     stop_sampling.set()
     sampler.join()
-    tree = core.kv.tree
-    tree_blocks = len(tree) if tree is not None else 0
-    leaked = core.kv.pool.stats().used - tree_blocks
-    locks = sum(node.locks for node in tree.nodes()) if tree is not None else 0
+    tree_blocks, locks = core.kv.prefix_cache_holdings()
+    leaked = core.kv.stats().used_blocks - tree_blocks
     server.stop()
     if faults is not None:
         shutil.rmtree(faults.disk.directory, ignore_errors=True)

@@ -43,7 +43,7 @@ class EngineTrials:
         for); a quantized mix fills it with its next-best tokens (`fill_pages`), as the library
         does."""
         if quant is None:
-            return self.llm.engine.kv.head_pages.page_tokens
+            return self.llm.engine.kv.page_tokens
         return StoredForm.of(make_quantizer(quant)).page_tokens()
 
     def refuses(self, policy: str, ratio: float, quant, options) -> str | None:
@@ -77,7 +77,7 @@ def run_engine_trial(
     seconds = time.perf_counter() - started
     request = output.requests[0]
     kv = llm.engine.kv
-    held = request.compressed_kv_bytes if evicts else -(-upto // kv.block_size) * kv.storage.block_bytes
+    held = request.compressed_kv_bytes if evicts else -(-upto // kv.block_size) * kv.block_bytes
     return {
         "kv_bytes": held,
         "compressed_tokens": upto,

@@ -100,8 +100,8 @@ def run_engine(
     else:
         hits = [r.compressed_hit for r in in_order]
         row["hit_rate"] = sum(end for hit, (_, end) in zip(hits, parts) if hit) / sum(len(r.prompt) for r in done)
-        token_bytes = core.kv.storage.token_bytes
-        entries = list(core.kv.compressed.entries.values())
+        token_bytes = core.kv.token_bytes
+        entries = core.kv.compressed_entries()
         held = [entry.region.nbytes / (len(entry.tokens) * token_bytes) for entry in entries]
         row["cached_document_bytes_ratio"] = statistics.mean(held) if held else None
     row["document_hits"] = sum(hits)

@@ -142,7 +142,7 @@ def run_kvwise(model, tokenizer, prompts, config: ThroughputConfig, progress, mi
     row["hit_rate"] = sum(r.reused for r in requests) / sum(len(r.prompt) for r in requests)
     row["config"] = {**row["config"], **asdict(llm.cache_config), "mix": mix}
     if mix is not None:  # each prompt's KV right after compression, against the same prompt uncompressed
-        token_bytes = llm.engine.kv.storage.token_bytes
+        token_bytes = llm.engine.kv.token_bytes
         shares = [r.compressed_kv_bytes / (len(r.prompt) * token_bytes) for r in requests]
         row["compressed_kv_share_max"], row["compressed_kv_share_mean"] = max(shares), statistics.mean(shares)
     return row

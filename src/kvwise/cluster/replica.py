@@ -73,16 +73,11 @@ class EngineReplica:
     # ---- Ray Serve's routing stats ---------------------------------------------------------------
     def record_routing_stats(self) -> dict:
         reported_at = time.time()  # before reading the state: the report speaks for that moment on
-        kv = self.core.kv
-        device = [short_key(key) for key in kv.tree.keys()] if kv.tree is not None else []
-        host, published, restore = [], [], {}
-        if kv.tiers is not None:
-            for tier in kv.tiers.tiers:
-                if tier.name == "host":
-                    host = [short_key(key) for key in tier.keys()]
-            if kv.tiers.publisher is not None:
-                published = [short_key(key) for key in kv.tiers.publisher.recent_keys(REPORTED_PUBLISHED)]
-            restore = self._restore_costs(kv.tiers.restore_seconds_per_block())
+        snapshot = self.core.kv.routing_snapshot(REPORTED_PUBLISHED)
+        device = [short_key(key) for key in snapshot.device]
+        host = [short_key(key) for key in snapshot.host]
+        published = [short_key(key) for key in snapshot.published]
+        restore = self._restore_costs(snapshot.restore_seconds_per_block)
         scheduler = self.core.scheduler
         waiting, running = list(scheduler.waiting), list(scheduler.running)
         queued = sum(max(0, len(request.prompt) - self._settled(request)) for request in waiting + running)

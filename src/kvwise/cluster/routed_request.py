@@ -81,12 +81,12 @@ class RoutingKeys:
         caller = self.handlers.caller(Request(scope))
         if chat:
             routed.messages = data.get("messages")
-            prompts = self.handlers._chat_prompts(body)
+            prompts = self.handlers.chat_prompts(body)
         else:
             routed.prompt = body.prompt if isinstance(body.prompt, str) else json.dumps(body.prompt)
-            prompts = self.handlers._completion_prompts(body)
+            prompts = self.handlers.completion_prompts(body)
         tokens = prompts[0]
-        shared = self.handlers._shared_tokens(body, caller, chat, prompts)
+        shared = self.handlers.shared_tokens(body, caller, chat, prompts)
         space = self.key_space
         namespace = Namespace(space.model_id, caller.tenant, space.kv_format, self.secret)
         namespace = namespace.with_shared_prefix(shared // space.block_size)

@@ -120,20 +120,20 @@ def start_pass(compaction: Compaction, kv, tokenizer) -> ReconstructionPass:
     """The pass for `compaction`, with its blocks borrowed from the pool (`kv.can_borrow` first);
     raises PassDeferred when the blocks are in use now, MemoryError when the pool could never hold it."""
     request, block_size = compaction.request, kv.block_size
-    device = kv.storage.keys[0].device
+    device = kv.device
     policy = copy.copy(compaction.policy)
     context = torch.tensor([request.tokens[: compaction.end]])
     pass_ids = policy.context_pass_inputs(context, None, tokenizer)[0][0].tolist()
     start = compaction.end - request.kv_offset  # KV index of the first pass token
     needed = max(0, -(-(start + len(pass_ids)) // block_size) - len(request.blocks))
     if needed and not kv.can_borrow(needed):
-        if needed + len(request.blocks) <= kv.pool.num_blocks:
+        if needed + len(request.blocks) <= kv.num_blocks:
             raise PassDeferred(f"the pass of {request.request_id} waits for {needed} free blocks")
         raise MemoryError(
             f"the KV pool cannot hold KVzip's reconstruction pass of {len(pass_ids)} tokens for "
             f"{request.request_id}; give the engine more blocks or compress less at once"
         )
-    borrowed = kv.pool.allocate(needed) if needed else []
+    borrowed = kv.lend_blocks(needed)
     stand_in = Request(request.tokens[: compaction.end] + pass_ids, kv_offset=request.kv_offset)
     stand_in.blocks = BlockTable(request.blocks.block_ids + borrowed)
     stand_in.region, stand_in.computed = request.region, compaction.end

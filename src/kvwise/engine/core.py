@@ -89,7 +89,7 @@ class EngineCore:
         self.vocab_size = model.get_input_embeddings().num_embeddings
         self.kv = KVCacheManager.for_model(model, config, tiers)  # every byte of KV memory, and its bookkeeping
         self.scheduler = Scheduler(self.kv, config.token_budget, config.max_running)
-        self.runner = ModelRunner(model, self.kv.storage, self.kv.quant_pools, cpu_kernel=cpu_kernel)
+        self.runner = ModelRunner(model, self.kv.runner_view(), cpu_kernel=cpu_kernel)
         # called with (chunks, logits [C, vocab]) after each forward: model checks compare them
         self.logits_observer = None
         self.controller = None  # an AdaptiveController, for requests whose KV mix is `auto` (attach_controller)
@@ -104,11 +104,6 @@ class EngineCore:
         self.step_log: deque[StepRecord] = deque(maxlen=1024)
         keys = [namespace_key] if namespace_key is None or isinstance(namespace_key, bytes) else namespace_key
         self.set_namespace_keys([default_namespace_key(keys[0]), *keys[1:]])
-
-    @property
-    def pool(self):
-        """The device block pool, for reads (`self.kv` owns it)."""
-        return self.kv.pool
 
     def set_namespace_keys(self, keys: Sequence[bytes]) -> None:
         """Rotate the namespace key: new requests' blocks are keyed with keys[0]; blocks the tiers
@@ -150,11 +145,11 @@ class EngineCore:
                 f"the prompt has {prompt_tokens} tokens and asks for {max_tokens} more, "
                 f"but the model's maximum context is {self.max_positions} tokens"
             )
-        pool = self.kv.pool
-        if -(-(prompt_tokens + max_tokens) // pool.block_size) > pool.num_blocks:
+        kv = self.kv
+        if -(-(prompt_tokens + max_tokens) // kv.block_size) > kv.num_blocks:
             raise ContextLengthError(
                 f"the prompt has {prompt_tokens} tokens and asks for {max_tokens} more, but the KV pool holds "
-                f"{pool.num_blocks * pool.block_size} tokens in all"
+                f"{kv.num_blocks * kv.block_size} tokens in all"
             )
 
     def make_request(
@@ -191,7 +186,7 @@ class EngineCore:
                     f"compress_upto must be between 1 and the prompt's {len(token_ids)} tokens, got {compress_upto}"
                 )
         if kv is not None and kv.quant is not None:  # caught here, not inside a batched step
-            make_quantizer(kv.quant).check_head_dim(self.kv.storage.keys[0].shape[-1])
+            make_quantizer(kv.quant).check_head_dim(self.kv.geometry.head_dim)
         if kv is not None:
             kv.scorer.attach(self.model)  # a learned scorer (kvzap) loads here, or its error names the fix
         seed = None if params.seed is None else params.seed + index
@@ -257,7 +252,7 @@ class EngineCore:
             return []
         raise RuntimeError(
             f"the engine cannot make progress: {len(self.scheduler.running)} running and "
-            f"{len(self.scheduler.waiting)} waiting requests do not fit {self.kv.pool.num_blocks} blocks"
+            f"{len(self.scheduler.waiting)} waiting requests do not fit {self.kv.num_blocks} blocks"
         )
 
     def _settle_memory(self, output: ForwardOutput, passes: list[PassChunk], failed: list) -> list:
@@ -266,7 +261,7 @@ class EngineCore:
         passes whose last chunk ran are applied; settled blocks are quantized. Returns
         [(request, error)] for the requests whose part of this raised."""
         self.kv.record_peak()
-        troubled = {id(request) for request, _ in failed}
+        troubled = {request for request, _ in failed}
         errors = []
         for compaction in output.compactions:
             if not isinstance(compaction, Compaction) or id(compaction.request) in troubled:
@@ -293,8 +288,8 @@ class EngineCore:
                     self.kv.finish_reconstruction(reconstruction.request)
                 except Exception as error:  # noqa: BLE001
                     errors.append((reconstruction.request, error))
-        troubled |= {id(request) for request, _ in errors}
-        return errors + self.kv.quantize_settled([r for r in self.scheduler.running if id(r) not in troubled])
+        troubled |= {request for request, _ in errors}
+        return errors + self.kv.quantize_settled([r for r in self.scheduler.running if r not in troubled])
 
     def _postprocess(self, chunks, logits, failed: list) -> list[TokenEvent]:
         """Sample after each chunk that reaches its request's prefill target (the prompt, or prompt

@@ -135,7 +135,7 @@ def _digest(flags: list[str]) -> str:
         " ".join(flags).encode(),
         _cpu_flags().encode(),
         torch.__version__.encode(),
-        str(torch._C._GLIBCXX_USE_CXX11_ABI).encode(),
+        str(torch.compiled_with_cxx11_abi()).encode(),
         str(sysconfig.get_config_var("SOABI")).encode(),
         os.environ.get("CXX", "c++").encode(),
     ]

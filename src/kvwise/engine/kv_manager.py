@@ -28,6 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from concurrent.futures import Future
+from types import MappingProxyType
 
 import torch
 
@@ -41,7 +42,9 @@ from kvwise.engine.compressed_prefixes import CompressedEntry, CompressedPrefixe
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.head_pages import HeadPages
 from kvwise.engine.head_region import HeadRegion
+from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.kv_stats import KVStats, TierUsage
+from kvwise.engine.kv_view import RoutingSnapshot, RunnerView
 from kvwise.engine.namespaces import default_namespace
 from kvwise.engine.quant_pages import QuantPages
 from kvwise.engine.quant_pool import QuantPool
@@ -70,14 +73,14 @@ class KVCacheManager:
         """namespace_of(request) -> Namespace: a request's block identity (default: one model "m").
         Without storage the manager is bookkeeping only (scheduler tests); quantization, swap and
         tiers need it."""
-        self.pool, self.tree, self.storage, self.swap, self.tiers = pool, tree, storage, swap, tiers
+        self._pool, self._tree, self._storage, self._swap, self._tiers = pool, tree, storage, swap, tiers
         self.namespace_of = namespace_of if namespace_of is not None else default_namespace("m")
         self.block_size = pool.block_size
-        self.quant_pools: dict[str, QuantPool] = {}  # per quantizer spec, made when first asked for
-        self.head_pages = HeadPages(pool, storage) if storage is not None else None
-        self.quantized_pages: dict[str, QuantPages] = {}  # per quantizer spec: evicted requests' regions
+        self._quant_pools: dict[str, QuantPool] = {}  # per quantizer spec, made when first asked for
+        self._head_pages = HeadPages(pool, storage) if storage is not None else None
+        self._quantized_pages: dict[str, QuantPages] = {}  # per quantizer spec: evicted requests' regions
         # documents compressed once and reused (with the prefix cache: both are reuse across requests)
-        self.compressed = CompressedPrefixes() if tree is not None and storage is not None else None
+        self._compressed = CompressedPrefixes() if tree is not None and storage is not None else None
         self.rotate_queries = None  # the model's query rotation, for scorers that move queries (KVzip self)
         self.prefix_stats = tiers.stats if tiers is not None else ReuseStats()  # tier hits, spills, time
         self.recomputed_blocks = 0
@@ -123,38 +126,124 @@ class KVCacheManager:
 
     @property
     def prefix_caching(self) -> bool:
-        return self.tree is not None
+        return self._tree is not None
+
+    # ---- the door: what the rest of kvwise reads of KV memory and asks of it -----------------------
+    @property
+    def num_blocks(self) -> int:
+        return self._pool.num_blocks
+
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one device block, keys and values of every layer."""
+        return self._storage.block_bytes
+
+    @property
+    def token_bytes(self) -> int:
+        """Bytes of one token's keys and values over every layer, in the pool's dtype."""
+        return self._storage.token_bytes
+
+    @property
+    def device(self) -> torch.device:
+        return self._storage.keys[0].device
+
+    @property
+    def page_tokens(self) -> int:
+        """Token slots of one head page (the unit an evicted request's region is stored in)."""
+        return self._head_pages.page_tokens
+
+    @property
+    def has_tiers(self) -> bool:
+        """Whether evicted prefix blocks go to lower tiers (else they are dropped)."""
+        return self._tiers is not None
+
+    @property
+    def swapped_out_blocks(self) -> int:
+        return self._swap.swapped_out_blocks if self._swap is not None else 0
+
+    def usage(self) -> float:
+        """Share of the device pool's blocks not free (prefix-cached blocks count as used)."""
+        return 1 - self.free_blocks() / self._pool.num_blocks
+
+    def assign_settings(self, request: Request, settings: KVSettings | None) -> None:
+        """Give `request` its own KV settings (eviction, cap, quantizer): the one writer of
+        `request.kv` after a request is made. Takes effect at its next compression point or, for a
+        quantizer, at the next `quantize_settled`."""
+        request.kv = settings
+
+    def lend_blocks(self, count: int) -> list[int]:
+        """`count` blocks for a KVzip reconstruction pass (check `can_borrow` first); they come back
+        with `finish_reconstruction`, or with `free` when the pass is cut short."""
+        return self._pool.allocate(count) if count else []
+
+    def spill_cold_prefixes(self, wanted: int) -> int:
+        """Evict up to `wanted` unlocked prefix-cache blocks, least recently used first (to the tiers
+        when there are some); returns how many went."""
+        return self._tree.evict(wanted) if self._tree is not None else 0
+
+    def prefix_tiers(self) -> tuple[Tier, ...]:
+        """The lower tiers under the prefix cache, fastest first (for re-keying them)."""
+        return tuple(self._tiers.tiers) if self._tiers is not None else ()
+
+    def routing_snapshot(self, published_limit: int) -> RoutingSnapshot:
+        """Where this engine's prefix blocks are, for a router: block keys on the device and in the
+        host tier, the last `published_limit` keys written to a shared tier, and seconds per block
+        to restore from each tier."""
+        device = list(self._tree.keys()) if self._tree is not None else []
+        host, published, restore = [], [], {}
+        if self._tiers is not None:
+            host = [key for tier in self._tiers.tiers if tier.name == "host" for key in tier.keys()]
+            if self._tiers.publisher is not None:
+                published = list(self._tiers.publisher.recent_keys(published_limit))
+            restore = self._tiers.restore_seconds_per_block()
+        return RoutingSnapshot(device, host, published, restore)
+
+    def runner_view(self) -> RunnerView:
+        """What the model runner reads: the paged storage and the quantized pools, read-only (a pool
+        made later shows up in the view)."""
+        return RunnerView(self._storage, MappingProxyType(self._quant_pools))
+
+    def compressed_entries(self) -> list[CompressedEntry]:
+        """The documents compressed once and held for reuse, for reports."""
+        return list(self._compressed.entries.values()) if self._compressed is not None else []
+
+    def prefix_cache_holdings(self) -> tuple[int, int]:
+        """(blocks the prefix cache holds, locks on them): both 0 once every request is done and
+        nothing leaked."""
+        if self._tree is None:
+            return 0, 0
+        return len(self._tree), sum(node.locks for node in self._tree.nodes())
 
     def set_namespace_keys(self, keys: Sequence[bytes]) -> None:
         """New requests' blocks are keyed with keys[0]; blocks the tiers hold under the others still
         come back (keyed anew on the device)."""
         self.namespace_of.rekey(keys[0])
-        if self.tiers is not None:
-            self.tiers.retired_secrets = tuple(keys[1:])
+        if self._tiers is not None:
+            self._tiers.retired_secrets = tuple(keys[1:])
 
     # ---- the prefix cache ------------------------------------------------------------------------
     def cached_length(self, request: Request) -> int:
         """Prompt tokens cached on the device for `request` (a peek: nothing is touched)."""
-        if self.tree is None:
+        if self._tree is None:
             return 0
-        return self.tree.match_prefix(request.prompt[:-1], self.namespace_of(request), touch=False).length
+        return self._tree.match_prefix(request.prompt[:-1], self.namespace_of(request), touch=False).length
 
     def match(self, request: Request) -> int:
         """Take the prompt's cached prefix: the device match continued in the tiers, locked for the
         request and first in its block table. Returns the tokens it covers (at least the last
         prompt token is left to compute)."""
-        if self.tree is None or request.prompt_logprobs is not None:
+        if self._tree is None or request.prompt_logprobs is not None:
             return 0  # a scored prompt is computed whole: cached tokens have no logits to give
         namespace = self.namespace_of(request)
         hit = self._match_compressed(request, namespace)
         if hit:
             return hit
-        match = self.tree.match_prefix(request.prompt[:-1], namespace)
+        match = self._tree.match_prefix(request.prompt[:-1], namespace)
         usable = (len(request.prompt) - 1) // self.block_size
-        if self.tiers is not None and self.tiers.extend(request.prompt, namespace, match, usable):
-            match = self.tree.match_prefix(request.prompt[:-1], namespace)
-        self.tree.lock(match.nodes)
-        self.pool.incref(match.blocks)
+        if self._tiers is not None and self._tiers.extend(request.prompt, namespace, match, usable):
+            match = self._tree.match_prefix(request.prompt[:-1], namespace)
+        self._tree.lock(match.nodes)
+        self._pool.incref(match.blocks)
         request.locked_nodes, request.blocks = match.nodes, BlockTable(match.blocks)
         request.reused = match.length
         return match.length
@@ -168,29 +257,29 @@ class KVCacheManager:
     def _match_compressed(self, request: Request, namespace) -> int:
         """Take a published compressed document for `request` (its region, read-only, and the
         prefix blocks it was compressed after). Returns the tokens it covers, 0 on a miss."""
-        if self.compressed is None or request.compress_upto is None or request.kv is None:
+        if self._compressed is None or request.compress_upto is None or request.kv is None:
             return 0
         upto = request.compress_upto
         if upto >= len(request.prompt):  # nothing would be left to compute the first token with
             return 0
         key = self._compressed_key(request, namespace)
-        entry = self.compressed.get(key, request.prompt[:upto])
-        if entry is None and self.tiers is not None:
+        entry = self._compressed.get(key, request.prompt[:upto])
+        if entry is None and self._tiers is not None:
             entry = self._restore_compressed(key, request)
         if entry is None:
             return 0
-        match = self.tree.match_prefix(request.prompt[: entry.reused], namespace)
+        match = self._tree.match_prefix(request.prompt[: entry.reused], namespace)
         if match.length < entry.reused:  # its prefix blocks are gone: compute it again
             return 0
-        self.tree.lock(match.nodes)
-        self.pool.incref(match.blocks)
+        self._tree.lock(match.nodes)
+        self._pool.incref(match.blocks)
         request.locked_nodes, request.blocks = match.nodes, BlockTable(match.blocks)
         request.reused, request.kv_offset = entry.reused, upto - entry.reused
         request.region, entry.region.holders = entry.region, entry.region.holders + 1
         request.kv_stats = list(entry.stats) if entry.stats is not None else None
         request.compressed_kv_bytes = self.request_bytes(request)
         request.compressed_hit = True
-        self.compressed.record_hit(entry)
+        self._compressed.record_hit(entry)
         return upto
 
     def _publish_compressed(self, request: Request) -> None:
@@ -198,20 +287,20 @@ class KVCacheManager:
         entry = CompressedEntry(
             tuple(request.prompt[: request.compress_upto]), request.reused, request.region, request.kv_stats
         )
-        replaced = self.compressed.put(self._compressed_key(request), entry)
+        replaced = self._compressed.put(self._compressed_key(request), entry)
         if replaced is not None and replaced.region is not entry.region:
             self._let_go(replaced.region)
 
     def _spill_compressed(self, key: bytes, entry: CompressedEntry) -> None:
         """Write a compressed document leaving the device to the prefix tiers."""
-        blob = write_entry(entry.region, entry.tokens, entry.reused, entry.stats, self.storage)
-        if self.tiers.store_blob(key, blob):
-            self.compressed.spilled += 1
+        blob = write_entry(entry.region, entry.tokens, entry.reused, entry.stats, self._storage)
+        if self._tiers.store_blob(key, blob):
+            self._compressed.spilled += 1
 
     def _restore_compressed(self, key: bytes, request: Request) -> CompressedEntry | None:
         """A compressed document brought back from the tiers into pages and published again, or
         None (absent, damaged, for other tokens, or no room)."""
-        blob = self.tiers.fetch_blob(key)
+        blob = self._tiers.fetch_blob(key)
         if blob is None:
             return None
         try:
@@ -229,18 +318,18 @@ class KVCacheManager:
         stats = None
         if names:
             stats = [
-                {name: state[f"stats.{name}"][layer].to(self.storage.keys[0].device) for name in names}
+                {name: state[f"stats.{name}"][layer].to(self._storage.keys[0].device) for name in names}
                 for layer in range(len(region.counts))
             ]
         entry = CompressedEntry(tokens, int(state["reused"][0]), region, stats)
-        self.compressed.put(key, entry)
+        self._compressed.put(key, entry)
         region.holders -= 1  # the cache's reference only
-        self.compressed.restored += 1
+        self._compressed.restored += 1
         return entry
 
     def _region_from_state(self, request: Request, state: dict) -> HeadRegion | None:
         """Pages for a document read from a tier: device pages, or quantized pages restored bit for bit."""
-        device = self.storage.keys[0].device
+        device = self._storage.keys[0].device
         counts = state["counts"].tolist()
         positions = [
             layer.to(device)[:, : max(layer_counts, default=0)]
@@ -255,15 +344,15 @@ class KVCacheManager:
             ids = store.restore(stored, pages) if self._room_in(store, pages) else None
             if ids is None:
                 return None
-            dtype, per_layer = self.storage.keys[0].dtype, [sum(layer) for layer in sink_counts]
+            dtype, per_layer = self._storage.keys[0].dtype, [sum(layer) for layer in sink_counts]
             sinks = tuple(
                 list(state[f"sinks.{role}"].to(device, dtype).split(per_layer)) for role in ("keys", "values")
             )
             return self._quantized_region(store, ids, counts, valid, positions, sinks)
-        per_page = self.head_pages.page_tokens
+        per_page = self._head_pages.page_tokens
         pages = sum(-(-count // per_page) for layer in counts for count in layer)
-        free_pages = len(self.head_pages.free)
-        per_block = len(self.storage.keys) * self.head_pages.kv_heads * self.head_pages.parts
+        free_pages = len(self._head_pages.free)
+        per_block = len(self._storage.keys) * self._head_pages.kv_heads * self._head_pages.parts
         if not self._reclaim(-(-max(0, pages - free_pages) // per_block)):
             return None
         keys, values = state["keys"].to(device), state["values"].to(device)
@@ -278,7 +367,7 @@ class KVCacheManager:
         """One holder fewer; the last one gives the pages back (zeroed)."""
         region.holders -= 1
         if region.holders == 0:
-            store = region.quant if region.quant is not None else self.head_pages
+            store = region.quant if region.quant is not None else self._head_pages
             for heads in region.pages:
                 store.release([page for pages in heads for page in pages])
             region.zero_sinks()
@@ -287,22 +376,22 @@ class KVCacheManager:
         """Free `blocks` device blocks if it can be done without touching a running request:
         unlocked prefix-cache blocks first, then compressed documents nobody reads. True when the
         pool then has them."""
-        if self.pool.can_allocate(blocks):
+        if self._pool.can_allocate(blocks):
             return True
-        if self.tree is not None:
-            self.tree.evict(blocks - self.pool.num_free)
-        while not self.pool.can_allocate(blocks) and self._evict_compressed():
+        if self._tree is not None:
+            self._tree.evict(blocks - self._pool.num_free)
+        while not self._pool.can_allocate(blocks) and self._evict_compressed():
             pass
-        return self.pool.can_allocate(blocks)
+        return self._pool.can_allocate(blocks)
 
     def _evict_compressed(self, store: QuantPages | None = None) -> bool:
         """Drop the least recently used compressed document nobody reads (with pages in `store`,
         when given), to the tiers first if there are tiers. False when there is none."""
-        evicted = self.compressed.evict_one(store) if self.compressed is not None else None
+        evicted = self._compressed.evict_one(store) if self._compressed is not None else None
         if evicted is None:
             return False
         key, entry = evicted
-        if self.tiers is not None:
+        if self._tiers is not None:
             self._spill_compressed(key, entry)
         self._let_go(entry.region)
         return True
@@ -316,23 +405,23 @@ class KVCacheManager:
     def prefetch(self, request: Request) -> Future | None:
         """Pull the prompt's cached blocks from slow tiers into the first one in the background
         (None without tiers); `match` then finds them there."""
-        if self.tiers is None:
+        if self._tiers is None:
             return None
-        return self.tiers.prefetch(request.prompt, self.namespace_of(request))
+        return self._tiers.prefetch(request.prompt, self.namespace_of(request))
 
     def cache_prompt(self, request: Request, upto: int) -> None:
         """Publish the full blocks of the request's first `upto` tokens to the prefix cache (a
         request whose private blocks hold its own compressed state publishes nothing). A key that
         may only read the shared namespace caches nothing while its shared segment is not there."""
-        if self.tree is None or _compresses(request):
+        if self._tree is None or _compresses(request):
             return
         tokens = request.tokens[: upto // self.block_size * self.block_size]
         namespace = self.namespace_of(request)
         segment = request.shared_prefix_tokens // self.block_size * self.block_size
         if segment and not request.may_publish_shared:
-            if self.tree.match_prefix(tokens[:segment], namespace, touch=False).length < min(segment, len(tokens)):
+            if self._tree.match_prefix(tokens[:segment], namespace, touch=False).length < min(segment, len(tokens)):
                 return
-        self.tree.insert(tokens, request.blocks.block_ids, namespace, announce=True)
+        self._tree.insert(tokens, request.blocks.block_ids, namespace, announce=True)
 
     # ---- blocks ------------------------------------------------------------------------------------
     def blocks_needed(self, request: Request, tokens: int) -> int:
@@ -357,12 +446,12 @@ class KVCacheManager:
         if not request.reserved:
             request.reserved = True
             total = -(-(len(request.prompt) + request.params.max_tokens) // self.block_size) - len(request.blocks)
-            if self.pool.num_free - total >= self.pool.num_blocks * PLENTY_FREE_FRACTION:
-                run = self.pool.allocate_contiguous(total)
+            if self._pool.num_free - total >= self._pool.num_blocks * PLENTY_FREE_FRACTION:
+                run = self._pool.allocate_contiguous(total)
                 if run is not None:
                     request.blocks.append(run)
                     return
-        request.blocks.append(self.pool.allocate(needed))
+        request.blocks.append(self._pool.allocate(needed))
 
     def can_borrow(self, blocks: int) -> bool:
         """Whether `blocks` device blocks can be had for a moment (a context pass), after evicting
@@ -372,11 +461,11 @@ class KVCacheManager:
     def free_blocks(self) -> int:
         """Device blocks free now or as soon as asked for: the pool's free blocks and the prefix
         cache's blocks nobody else holds (what `_reclaim` would give back)."""
-        return self.pool.num_free + (self.tree.reclaimable() if self.tree is not None else 0)
+        return self._pool.num_free + (self._tree.reclaimable() if self._tree is not None else 0)
 
     def fit_tokens(self, request: Request) -> int:
         """The most tokens `request` can hold with its blocks and the free ones."""
-        return (len(request.blocks) + self.pool.num_free) * self.block_size + request.kv_offset
+        return (len(request.blocks) + self._pool.num_free) * self.block_size + request.kv_offset
 
     def free(self, request: Request, recompute: bool = False) -> None:
         """Give back everything the request holds: device and quantized blocks, its host copy, its
@@ -387,14 +476,14 @@ class KVCacheManager:
             request.kv_offset = 0
         self._release_region(request)
         if request.swapped is not None:
-            self.swap.drop(request.swapped)
+            self._swap.drop(request.swapped)
             request.swapped = None
         if request.reconstruction is not None:  # a pass cut short: its borrowed blocks go back
-            self.pool.release(request.reconstruction.borrowed)
+            self._pool.release(request.reconstruction.borrowed)
             request.reconstruction = None
         request.reserved = False
-        if self.tree is not None and request.locked_nodes:
-            self.tree.unlock(request.locked_nodes)
+        if self._tree is not None and request.locked_nodes:
+            self._tree.unlock(request.locked_nodes)
         self._release(request, request.blocks)
         request.blocks, request.locked_nodes = BlockTable(), []
 
@@ -403,10 +492,10 @@ class KVCacheManager:
         are the swapped copy, dropped with it)."""
         device = table.ids(Place.DEVICE)
         if device:
-            self.pool.release(device)
+            self._pool.release(device)
         quantized = table.ids(Place.QUANTIZED)
         if quantized:
-            self.quant_pools[request.kv.quant].release(quantized)
+            self._quant_pools[request.kv.quant].release(quantized)
 
     def _release_region(self, request: Request) -> None:
         """Its pages back (zeroed), with its running statistics."""
@@ -419,11 +508,11 @@ class KVCacheManager:
         prefix included; blocks reserved ahead are not counted), head pages and quantized blocks."""
         table = request.blocks
         filled = table.places[: -(-(request.computed - request.kv_offset) // self.block_size)]
-        held = filled.count(Place.DEVICE) * self.storage.block_bytes
+        held = filled.count(Place.DEVICE) * self._storage.block_bytes
         if request.region is not None:
             held += request.region.nbytes
         if filled.count(Place.QUANTIZED):
-            held += filled.count(Place.QUANTIZED) * self.quant_pools[request.kv.quant].block_bytes
+            held += filled.count(Place.QUANTIZED) * self._quant_pools[request.kv.quant].block_bytes
         return held
 
     # ---- host swap ---------------------------------------------------------------------------------
@@ -432,19 +521,19 @@ class KVCacheManager:
         blocks and head pages are recomputed instead)."""
         table = request.blocks
         return (
-            self.swap is not None
+            self._swap is not None
             and bool(table)
             and request.region is None
             and request.reconstruction is None
             and table.all_in(Place.DEVICE)
-            and self.swap.can_hold(len(table))
+            and self._swap.can_hold(len(table))
         )
 
     def swap_out(self, request: Request) -> bool:
         """Copy the request's KV to host memory and free its device blocks and locks; its table
         then points at the host copy. False (nothing changed) when host memory refused the copy."""
         try:  # copied before anything changes: a failed copy leaves no block or lock behind
-            swapped = self.swap.swap_out(request.blocks.block_ids)
+            swapped = self._swap.swap_out(request.blocks.block_ids)
         except Exception:  # noqa: BLE001 - host memory refused: recompute instead
             log.exception("swapping out %s failed; it will be recomputed", request.request_id)
             return False
@@ -462,9 +551,9 @@ class KVCacheManager:
         """Copy a swapped request's KV back into fresh device blocks (check `can_swap_in` first).
         False when the copy failed: its blocks and host copy are given back and it is to be
         recomputed (its layout after eviction is gone)."""
-        blocks = self.pool.allocate(request.blocks.count(Place.HOST))
+        blocks = self._pool.allocate(request.blocks.count(Place.HOST))
         try:
-            self.swap.swap_in(request.swapped, blocks)
+            self._swap.swap_in(request.swapped, blocks)
         except Exception:  # noqa: BLE001 - give the blocks back and recompute it instead
             log.exception("swapping in %s failed; it will be recomputed", request.request_id)
             request.blocks = BlockTable(blocks)
@@ -504,7 +593,7 @@ class KVCacheManager:
                     settings.scorer,
                     self._private(request, chunk.end),
                     chunk.end,
-                    len(self.storage.keys),
+                    len(self._storage.keys),
                     ratio=settings.ratio,
                     ratio_tokens=first_head if ratio_now else None,
                     cap=cap if cap_now else None,
@@ -525,14 +614,14 @@ class KVCacheManager:
 
     def _private(self, request: Request, end: int) -> PrivateKV:
         """The request's private KV once the tokens before position `end` are computed."""
-        device = self.storage.keys[0].device
+        device = self._storage.keys[0].device
         indices = torch.arange(request.reused, end - request.kv_offset, device=device)
         return PrivateKV(
             request.region,
             request.blocks.slots(indices, self.block_size),
             indices + request.kv_offset,
-            self.head_pages.kv_heads,
-            self.pool.num_blocks * self.block_size,
+            self._head_pages.kv_heads,
+            self._pool.num_blocks * self.block_size,
             request.kv_stats,
         )
 
@@ -560,7 +649,7 @@ class KVCacheManager:
         if compaction.ratio_tokens is not None:
             request.compressed_kv_bytes = self.request_bytes(request)
             whole_document = request.compress_upto is not None and compaction.end == request.compress_upto
-            if self.compressed is not None and whole_document and fresh:
+            if self._compressed is not None and whole_document and fresh:
                 self._publish_compressed(request)
 
     def finish_reconstruction(self, request: Request) -> None:
@@ -569,13 +658,13 @@ class KVCacheManager:
         try:
             self.apply_compaction(request, reconstruction.compaction)
         finally:
-            self.pool.release(reconstruction.borrowed)
+            self._pool.release(reconstruction.borrowed)
 
     def _gather_kept(self, compaction: Compaction, layer: int, keep: torch.Tensor):
         """(counts per head, keys and values [kept, head_dim] head by head, positions
         [kv_heads, most kept] (-1 in padding), statistics) of one layer's kept tokens."""
         valid, positions = compaction.private.layer(layer)
-        keys, values = compaction.private.read(self.storage, layer)  # [kv_heads, S, head_dim]
+        keys, values = compaction.private.read(self._storage, layer)  # [kv_heads, S, head_dim]
         keep = keep & valid
         counts = keep.sum(dim=-1)  # [kv_heads]
         # kept rows first, each head's in their original order: True sorts first under a stable sort
@@ -597,16 +686,16 @@ class KVCacheManager:
             if region is not None:
                 return region
         pages, cells = [], []
-        all_keys, all_values = self.storage.cells()
+        all_keys, all_values = self._storage.cells()
         for (layer_counts, keys, values, _, _), layer_valid in zip(kept, valid):
-            per_page = self.head_pages.page_tokens
-            layer_pages = [self.head_pages.allocate(-(-count // per_page)) for count in layer_counts]
-            layer_cells, _ = self.head_pages.cells(layer_pages, layer_counts, keys.device)
+            per_page = self._head_pages.page_tokens
+            layer_pages = [self._head_pages.allocate(-(-count // per_page)) for count in layer_counts]
+            layer_cells, _ = self._head_pages.cells(layer_pages, layer_counts, keys.device)
             all_keys[layer_cells[layer_valid]] = keys
             all_values[layer_cells[layer_valid]] = values
             pages.append(layer_pages)
             cells.append(layer_cells)
-        return HeadRegion(pages, counts, valid, positions, cells=cells, page_bytes=self.head_pages.page_bytes)
+        return HeadRegion(pages, counts, valid, positions, cells=cells, page_bytes=self._head_pages.page_bytes)
 
     def _write_quantized(self, name: str, kept, counts, valid, positions) -> HeadRegion | None:
         """The kept rows in the mix's stored form: each head's sinks in the model's dtype, the
@@ -643,7 +732,7 @@ class KVCacheManager:
         """The region whose pages are `ids` of `store`, layer by layer and head by head, and whose
         rows kept in the model's dtype are `sinks` (keys, values: [layer] -> [rows, head_dim])."""
         pages, page_ids, rows, start = [], [], [], 0
-        device = self.storage.keys[0].device
+        device = self._storage.keys[0].device
         per_page, sink_counts = store.page_tokens, self._sink_counts(counts, store.form)
         for layer_counts, layer_sinks in zip(counts, sink_counts):
             per_head, first = [], start
@@ -671,16 +760,16 @@ class KVCacheManager:
     def quant_pages(self, name: str) -> QuantPages:
         """The quantized page store of quantizer `name` (made when first asked for): room for a
         quarter of the pool's head pages, quantized."""
-        if name not in self.quantized_pages:
-            layers, heads = len(self.storage.keys), self.head_pages.kv_heads
-            tokens = self.pool.num_blocks * self.block_size * layers * heads // 4
-            self.quantized_pages[name] = QuantPages(name, self.storage, tokens, self.attach_quantizer)
-        return self.quantized_pages[name]
+        if name not in self._quantized_pages:
+            layers, heads = len(self._storage.keys), self._head_pages.kv_heads
+            tokens = self._pool.num_blocks * self.block_size * layers * heads // 4
+            self._quantized_pages[name] = QuantPages(name, self._storage, tokens, self.attach_quantizer)
+        return self._quantized_pages[name]
 
     def quant_pool(self, name: str) -> QuantPool:
-        if name not in self.quant_pools:
-            self.quant_pools[name] = QuantPool(name, self.storage, self.pool.num_blocks, self.attach_quantizer)
-        return self.quant_pools[name]
+        if name not in self._quant_pools:
+            self._quant_pools[name] = QuantPool(name, self._storage, self._pool.num_blocks, self.attach_quantizer)
+        return self._quant_pools[name]
 
     def quantize_settled(self, requests: Sequence[Request]) -> list[tuple[Request, Exception]]:
         """Move requests' full private blocks outside the residual window to their QuantPool.
@@ -707,47 +796,47 @@ class KVCacheManager:
         if not settled:
             return
         device = [table.block_ids[i] for i in settled]
-        ids = quant.store(self.storage, device)
+        ids = quant.store(self._storage, device)
         if ids is None:
             return  # the quantized pool is full: the blocks stay as they are
-        self.pool.release(device)
+        self._pool.release(device)
         for index, quantized in zip(settled, ids):
             table.move(index, Place.QUANTIZED, quantized)
 
     # ---- reports -----------------------------------------------------------------------------------
     def record_peak(self) -> None:
-        self.peak_blocks = max(self.peak_blocks, self.pool.stats().used)
+        self.peak_blocks = max(self.peak_blocks, self._pool.stats().used)
 
     def stats(self) -> KVStats:
         """Read from the engine thread or, for metrics, from another (reads of ints)."""
-        pool = self.pool.stats()
-        block_bytes = self.storage.block_bytes if self.storage is not None else 0
-        quant_pools = list(self.quant_pools.items())
-        tiers = self.tiers.tiers if self.tiers is not None else []
-        publisher = self.tiers.publisher if self.tiers is not None else None
+        pool = self._pool.stats()
+        block_bytes = self._storage.block_bytes if self._storage is not None else 0
+        quant_pools = list(self._quant_pools.items())
+        tiers = self._tiers.tiers if self._tiers is not None else []
+        publisher = self._tiers.publisher if self._tiers is not None else None
         return KVStats(
             block_bytes=block_bytes,
             num_blocks=pool.total,
             free_blocks=pool.free,
             used_blocks=pool.used,
             peak_used_blocks=self.peak_blocks,
-            prefix_cached_blocks=len(self.tree) if self.tree is not None else 0,
-            prefix_evictions=self.tree.evictions if self.tree is not None else 0,
+            prefix_cached_blocks=len(self._tree) if self._tree is not None else 0,
+            prefix_evictions=self._tree.evictions if self._tree is not None else 0,
             prefix_spilled_blocks=self.prefix_stats.spilled_blocks,
             quantized_bytes=sum(quant.used_bytes() for _, quant in quant_pools)
-            + sum(store.used_bytes() for store in list(self.quantized_pages.values())),
-            head_page_bytes=self.head_pages.used_pages * self.head_pages.page_bytes if self.head_pages else 0,
-            head_page_blocks=self.head_pages.held_blocks if self.head_pages else 0,
-            compressed_documents=len(self.compressed) if self.compressed is not None else 0,
-            compressed_hits=self.compressed.hits if self.compressed is not None else 0,
-            compressed_spilled=self.compressed.spilled if self.compressed is not None else 0,
+            + sum(store.used_bytes() for store in list(self._quantized_pages.values())),
+            head_page_bytes=self._head_pages.used_pages * self._head_pages.page_bytes if self._head_pages else 0,
+            head_page_blocks=self._head_pages.held_blocks if self._head_pages else 0,
+            compressed_documents=len(self._compressed) if self._compressed is not None else 0,
+            compressed_hits=self._compressed.hits if self._compressed is not None else 0,
+            compressed_spilled=self._compressed.spilled if self._compressed is not None else 0,
             quantization_errors={
                 name: (quant.mean_error("keys"), quant.mean_error("values")) for name, quant in quant_pools
             },
-            swap_used_bytes=self.swap.used_bytes if self.swap is not None else None,
-            swap_capacity_bytes=self.swap.capacity_bytes if self.swap is not None else None,
-            swapped_out_blocks=self.swap.swapped_out_blocks if self.swap is not None else 0,
-            swapped_in_blocks=self.swap.swapped_in_blocks if self.swap is not None else 0,
+            swap_used_bytes=self._swap.used_bytes if self._swap is not None else None,
+            swap_capacity_bytes=self._swap.capacity_bytes if self._swap is not None else None,
+            swapped_out_blocks=self._swap.swapped_out_blocks if self._swap is not None else 0,
+            swapped_in_blocks=self._swap.swapped_in_blocks if self._swap is not None else 0,
             recomputed_blocks=self.recomputed_blocks,
             tiers=tuple(
                 TierUsage(

@@ -105,14 +105,6 @@ class LLM:
         self.model, self.tokenizer, self.cache_config = model, tokenizer, self.engine.cache_config
 
     @property
-    def pool(self):
-        return self.engine.kv.pool
-
-    @property
-    def tree(self):
-        return self.engine.kv.tree
-
-    @property
     def scheduler(self):
         return self.engine.scheduler
 

@@ -6,11 +6,22 @@ import enum
 import itertools
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from kvwise.core.radix import Node
 from kvwise.engine.block_table import BlockTable
 from kvwise.engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # types only: these modules import this one
+    import torch
+
+    from kvwise.core.hashing import Namespace
+    from kvwise.engine.context_pass import ReconstructionPass
+    from kvwise.engine.core import CompletionOutput
+    from kvwise.engine.detokenizer import IncrementalText
+    from kvwise.engine.head_region import HeadRegion
+    from kvwise.engine.kv_settings import KVSettings
+    from kvwise.engine.swap import SwappedKV
 
 _ids = itertools.count()
 
@@ -42,44 +53,45 @@ class Request:
     blocks: BlockTable = field(default_factory=BlockTable)  # written by the KVCacheManager only
     locked_nodes: list[Node] = field(default_factory=list)
     reserved: bool = False  # its first private allocation is made (whole or step by step)
-    kv: Any = None  # KVSettings: its own eviction of private tokens, or None
+    kv: KVSettings | None = None  # its own eviction of private tokens, or None
     # after an eviction its private tokens are in `region` (head pages), and a token at position p
     # computed since sits at KV index p - kv_offset of its block table (the tail, after the prefix)
     kv_offset: int = 0
-    region: Any = None  # HeadRegion: what each (layer, KV head) kept of its private tokens, or None
-    kv_stats: Any = None  # running statistics of its policy (H2O, Scissorhands) per layer, or None
+    region: HeadRegion | None = None  # what each (layer, KV head) kept of its private tokens, or None
+    kv_stats: list | None = None  # running statistics of its policy (H2O, Scissorhands) per layer, or None
     # the prompt's first compress_upto tokens are compressed once computed, before the rest is read
     # (query-agnostic: a document compressed without the question after it); None: at prefill's end
     compress_upto: int | None = None
     compressed_kv_bytes: int | None = None  # the KV bytes it held right after its ratio compression
     kv_bytes_read: int = 0  # keys and values its decode steps read (Quest reads a part of them)
     kv_bytes_held_read: int = 0  # what those steps would have read over everything it holds
-    reconstruction: Any = None  # its KVzip ReconstructionPass while it runs (it waits meanwhile)
+    reconstruction: ReconstructionPass | None = None  # its KVzip pass while it runs (it waits meanwhile)
     # `auto`: the adaptive controller picks its mix at admission, for this class hint (retrieval,
     # chat, long_generation or auto: from its features); None: its own settings (or none) hold
     kv_auto: str | None = None
-    kv_choice: Any = None  # the controller's Choice (mix, class, reason), returned with the response
+    # the adaptive controller's Choice (mix, class, reason), returned with the response; opaque here
+    kv_choice: object | None = None
     kept_score: float | None = None  # fraction of its policy's score its evictions kept (their product)
     turns: int = 0  # chat turns in its prompt, when known (a hint of its class)
     compressed_hit: bool = False  # it found its document compressed already (compress_upto) and reused it
     recompute_to: int | None = None  # set by a recompute preemption: len(tokens) then
-    swapped: Any = None  # SwappedKV while preempted to host memory
+    swapped: SwappedKV | None = None  # while preempted to host memory
     preemptions: int = 0
     skipped_steps: int = 0  # steps in a row its prefill got no tokens (the scheduler's anti-starvation)
     index: int = 0  # which of the prompt's `n` completions this is
     choice: int = 0  # its position among an API call's choices (prompts x n)
-    generator: Any = None  # a torch.Generator when the request has a seed
+    generator: torch.Generator | None = None  # when the request has a seed
     logprobs: list[dict[int, float]] | None = None
     # SamplingParams.prompt_logprobs: per prompt token, its log-probability and the top
     # alternatives ({token: logprob}, its own first); the first token's is None (nothing before it)
     prompt_logprobs: list[dict[int, float] | None] | None = None
     prompt_ranks: list[int | None] | None = None  # each prompt token's rank in its distribution (1: likeliest)
-    completion: Any = None  # the CompletionOutput once finished
+    completion: CompletionOutput | None = None  # set once finished
     first_token_time: float | None = None  # time.monotonic() when the first output token was sampled
     finish_time: float | None = None
-    stop_text: Any = None  # IncrementalText watching for its stop strings
+    stop_text: IncrementalText | None = None  # an object watching for its stop strings
     error: str | None = None  # set when an internal fault in its part of a step cancelled it
-    namespace: Any = None  # its block identity (Namespace), fixed when the scheduler first asks
+    namespace: Namespace | None = None  # its block identity, fixed when the scheduler first asks
 
     @property
     def tokens(self) -> list[int]:

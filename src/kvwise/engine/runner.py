@@ -28,8 +28,10 @@ from kvwise.engine.block_table import Place
 from kvwise.engine.compaction import Compaction
 from kvwise.engine.cpu_kernel import paged_decode_kernel, rows_decode_kernel, small_linear_kernel
 from kvwise.engine.cpu_linear import SmallRowLinears
+from kvwise.engine.kv_view import RunnerView
 from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.scheduler import Chunk
+from kvwise.hf.attention import attention_implementation
 from kvwise.hf.attention_inputs import ENGINE_STEP_ATTRIBUTE, install_attention_input_hooks
 from kvwise.hf.geometry import kv_geometry
 from kvwise.kv.paged import PagedKVStorage
@@ -344,16 +346,18 @@ class ModelRunner:
     def __init__(
         self,
         model,
-        storage: PagedKVStorage,
-        quant_pools: dict[str, QuantPool] | None = None,
+        kv: RunnerView,
         cpu_kernel: bool = True,
     ):
+        """kv: the manager's read-only view (`KVCacheManager.runner_view()`): the paged storage
+        and the quantized pools."""
         register_paged_attention()
         model.set_attn_implementation(ATTENTION_NAME)
+        storage = kv.storage
         self.model, self.storage, self.block_size = model, storage, storage.block_size
         # the modules the attention function is called with (they know their layer_idx)
         self.attention_modules = [module for module in model.modules() if hasattr(module, "layer_idx")]
-        self.quant_pools = quant_pools if quant_pools is not None else {}
+        self.quant_pools = kv.quant_pools
         # CUDA keeps SDPA (its fused kernels read the gathered keys fast); on CPU the kernel reads
         # blocks in place and measured 4x faster than gather + padded SDPA for a decode batch
         on_cpu = storage.keys[0].device.type == "cpu" and storage.keys[0].dtype == torch.float32
@@ -373,7 +377,7 @@ class ModelRunner:
         runner tells each where its chunk's queries are in the flat step.
         """
         device = self.model.device
-        if self.model.config._attn_implementation != ATTENTION_NAME:
+        if attention_implementation(self.model) != ATTENTION_NAME:
             # a KVWiseCache (or anything else) made on the same model since switched it away: the
             # model's own attention would read nothing from the pool and score nothing
             self.model.set_attn_implementation(ATTENTION_NAME)

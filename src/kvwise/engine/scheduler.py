@@ -113,14 +113,14 @@ class Scheduler:
         admitted = [] if step.preempted else self._admit_waiting(budget)
         prefilling = [r for r in self.running if r.prefilling or r.reconstruction is not None]
         budget = self._schedule_prefills(prefilling, budget, step)
-        scheduled = {id(chunk.owner) for chunk in step.prefills}
-        unadmitted = [r for r in admitted if id(r) not in scheduled]
+        scheduled = {chunk.owner for chunk in step.prefills}
+        unadmitted = [r for r in admitted if r not in scheduled]
         for request in reversed(unadmitted):  # no budget or no memory for it yet: back to the front
             self._unadmit(request)
         if unadmitted:  # their prefixes were locked: a running prefill may find its blocks now
-            budget = self._schedule_prefills([r for r in prefilling if id(r) not in scheduled], budget, step)
+            budget = self._schedule_prefills([r for r in prefilling if r not in scheduled], budget, step)
         for request in admitted:
-            if id(request) in scheduled:
+            if request in scheduled:
                 for listener in self.on_admit:
                     listener(request)
         while not step.chunks and len(self.running) > 1:
@@ -131,9 +131,9 @@ class Scheduler:
             budget = self._schedule_prefills(waiting_work, budget, step)
         if not step.preempted:  # after everyone running: the memory goes to them first, as before
             budget = self._swap_in_waiting(budget, step)
-        scheduled = {id(chunk.owner) for chunk in step.prefills}
+        scheduled = {chunk.owner for chunk in step.prefills}
         for request in prefilling:
-            request.skipped_steps = 0 if id(request) in scheduled else request.skipped_steps + 1
+            request.skipped_steps = 0 if request in scheduled else request.skipped_steps + 1
         return step
 
     def _schedule_prefills(self, requests: list[Request], budget: int, step: Step) -> int:

@@ -31,11 +31,17 @@ def register_attention() -> None:
     AttentionMaskInterface.register(ATTENTION_NAME, sdpa_mask)
 
 
+def attention_implementation(model) -> str | None:
+    """The attention function `model` uses now. transformers keeps it in a private config field
+    with no public getter (`set_attn_implementation` is the public setter); read in this one place."""
+    return model.config._attn_implementation  # noqa: SLF001  (transformers' only record of it)
+
+
 def use_kvwise_attention(model) -> str | None:
     """Switch `model` to the kvwise attention function (a no-op when it already uses it); returns
     the implementation it used before (for `KVWiseCache.restore_attention`)."""
     register_attention()
-    previous = model.config._attn_implementation
+    previous = attention_implementation(model)
     if previous != ATTENTION_NAME:
         model.set_attn_implementation(ATTENTION_NAME)
         log.info(

@@ -113,8 +113,7 @@ def cache_state(cache: KVWiseCache) -> dict[str, torch.Tensor]:
             state[f"{prefix}stat.{name}"] = stat
         for name in STORE_FIELDS:
             state[prefix + name] = getattr(store, name)
-        store._consolidate()
-        base = store._base
+        base = store.consolidated_base()
         if base is None:
             continue
         for name in ("tokens", "key_groups", "value_groups"):
@@ -157,7 +156,7 @@ def restore_cache_state(cache: KVWiseCache, state: dict[str, torch.Tensor], devi
         if prefix + "base.tokens" in state:
             roles = {role: _encoded(state, f"{prefix}base.{role}.", device) for role in ("keys", "values")}
             counts = [state[f"{prefix}base.{name}"].to(device) for name in ("tokens", "key_groups", "value_groups")]
-            store._base = QuantizedChunk(roles["keys"], roles["values"], *counts)
+            store.set_base(QuantizedChunk(roles["keys"], roles["values"], *counts))
 
 
 def _encoded(state: dict[str, torch.Tensor], prefix: str, device) -> Encoded:

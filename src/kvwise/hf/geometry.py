@@ -13,11 +13,17 @@ hold, so such a model is refused with the reason.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
 
+from kvwise.hf.attention import attention_implementation
 from kvwise.util.fingerprint import weights_fingerprint
+
+# model -> (layer -> its attention's KV shape and window), probed once per model object; weak, so
+# the entry goes with the model
+_ATTENTION_SHAPES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 PROBE_NAME = "kvwise_probe"
 # Layer types that are softmax attention over a KV cache (transformers' `config.layer_types`).
@@ -63,7 +69,7 @@ class KVGeometry:
 def kv_geometry(model) -> KVGeometry:
     """The model's KV shapes, probed once and remembered on the model (the dtype is read each time)."""
     config = model.config.get_text_config(decoder=True)
-    seen = getattr(model, "_kvwise_attention_shapes", None)
+    seen = _ATTENTION_SHAPES.get(model)
     if seen is None:
         check_attention_only(model, config)
         seen = _probe_attention(model)
@@ -84,7 +90,7 @@ def kv_geometry(model) -> KVGeometry:
     model_id = weights_fingerprint(model)  # names the KV on every tier: the weights, not the path
     dtype = next(model.parameters()).dtype
     windows = tuple(seen[layer][2] for layer in range(layers))
-    model._kvwise_attention_shapes = seen
+    _ATTENTION_SHAPES[model] = seen
     return KVGeometry(layers, num_kv_heads, head_dim, dtype, model_id, windows)
 
 
@@ -118,7 +124,7 @@ def _probe_attention(model) -> dict[int, tuple[int, int, int | None]]:
 
     AttentionInterface.register(PROBE_NAME, record)
     AttentionMaskInterface.register(PROBE_NAME, lambda *args, **kwargs: None)
-    previous = model.config._attn_implementation
+    previous = attention_implementation(model)
     model.set_attn_implementation(PROBE_NAME)
     try:
         with torch.no_grad():

@@ -105,7 +105,7 @@ class CompressingLayer(CacheLayerMixin):
             self.lazy_initialization(key_states, value_states)
         batch, num_kv_heads, query_len, _ = key_states.shape
         prefix_keys, prefix_values, prefix_valid = self.padded()
-        prefix_positions = self._padded_positions(prefix_valid)
+        prefix_positions = self.padded_positions(prefix_valid)
         new_positions = torch.arange(
             self.seen_tokens, self.seen_tokens + query_len, dtype=torch.int32, device=self.device
         ).expand(batch, num_kv_heads, query_len)
@@ -177,7 +177,7 @@ class CompressingLayer(CacheLayerMixin):
     def kept_positions(self) -> torch.Tensor:
         """[batch, num_kv_heads, max_len] int32: the original position of each token held, per head,
         in `padded()`'s order (padding slots are not meaningful; `padded()`'s valid marks them)."""
-        return self._padded_positions(self._slot_valid())
+        return self.padded_positions(self._slot_valid())
 
     # ---- padded <-> flat ---------------------------------------------------------------------
     def _slot_valid(self) -> torch.Tensor:
@@ -189,7 +189,7 @@ class CompressingLayer(CacheLayerMixin):
         """Flat [num_entries, ...] -> padded [batch, num_kv_heads, max_len, ...], zeros in padding."""
         return ragged.pad(flat, self.lengths.flatten(), (self.batch_size, self.num_kv_heads))
 
-    def _padded_positions(self, valid: torch.Tensor) -> torch.Tensor:
+    def padded_positions(self, valid: torch.Tensor) -> torch.Tensor:
         """[batch, num_kv_heads, max_len] int32 original slots of the stored tokens."""
         if self.positions is None:
             return torch.arange(valid.shape[-1], dtype=torch.int32, device=self.device).expand(valid.shape)
@@ -222,7 +222,7 @@ class CompressingLayer(CacheLayerMixin):
         """The stored tokens in the padded layout, as a step with no new tokens."""
         keys, values, valid = self.padded()
         stats = {name: self._pad_entries(stat) for name, stat in self.stats.items()}
-        return PendingStep(self, keys, values, valid, self._padded_positions(valid), stats, keys.shape[2])
+        return PendingStep(self, keys, values, valid, self.padded_positions(valid), stats, keys.shape[2])
 
     def _select_batch(self, indices: torch.Tensor) -> None:
         if not self.is_initialized:

@@ -148,6 +148,15 @@ class KVStore:
     def _quantized_parts(self) -> list[QuantizedChunk]:
         return ([] if self._base is None else [self._base]) + self._chunks
 
+    def consolidated_base(self) -> QuantizedChunk | None:
+        """Every quantized chunk merged into one (None: nothing quantized yet), for saving."""
+        self._consolidate()
+        return self._base
+
+    def set_base(self, base: QuantizedChunk | None) -> None:
+        """Restore the quantized part saved with `consolidated_base` (before any chunk is appended)."""
+        self._base = base
+
     def _consolidate(self) -> None:
         """Merge the appended chunks into the base (an O(quantized tokens) copy)."""
         for chunk in self._chunks:

@@ -279,10 +279,10 @@ class RequestHandlers:
         self._check_request_count(body, chat)  # before anything is tokenized or built
         ignored = ignored_fields(body)
         headers = {"Warning": f'299 kvwise "ignored: {", ".join(ignored)}"'} if ignored else None
-        prompts = self._chat_prompts(body) if chat else self._completion_prompts(body)
+        prompts = self.chat_prompts(body) if chat else self.completion_prompts(body)
         params = self._sampling(body, chat, max(map(len, prompts)))
         kv = self._kv_settings(body)
-        shared_tokens = self._shared_tokens(body, caller, chat, prompts)
+        shared_tokens = self.shared_tokens(body, caller, chat, prompts)
         compress_upto = None
         if body.kv_prefix is not None and body.kv_prefix.compress is not None:
             kv, compress_upto = self._compression(body, chat, prompts, kv)
@@ -345,7 +345,7 @@ class RequestHandlers:
             problems = "; ".join(f"{'.'.join(map(str, e['loc'])) or 'body'}: {e['msg']}" for e in error.errors()[:5])
             raise OpenAIError(422, f"invalid request: {problems}", param=field or None, code="invalid_field") from None
 
-    def _shared_tokens(self, body, caller: Caller, chat: bool, prompts: list[list[int]]) -> int:
+    def shared_tokens(self, body, caller: Caller, chat: bool, prompts: list[list[int]]) -> int:
         """Leading prompt tokens to keep in the shared namespace: the `kv_prefix` segment when it
         is marked shared (or the key or header asks for sharing); for chat without a `kv_prefix`,
         the leading system and developer messages. Never the rest of the prompt, nor the output."""
@@ -430,7 +430,7 @@ class RequestHandlers:
                 param="n",
             )
 
-    def _completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
+    def completion_prompts(self, body: CompletionRequest) -> list[list[int]]:
         prompt = body.prompt
         if isinstance(prompt, str) or (prompt and isinstance(prompt[0], int)):
             prompt = [prompt]
@@ -441,7 +441,7 @@ class RequestHandlers:
         except ValueError as error:
             raise OpenAIError(400, str(error), param="prompt") from None
 
-    def _chat_prompts(self, body: ChatRequest) -> list[list[int]]:
+    def chat_prompts(self, body: ChatRequest) -> list[list[int]]:
         tokenizer = self.core.tokenizer
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         template = self.settings.chat_template

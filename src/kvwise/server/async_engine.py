@@ -233,7 +233,7 @@ class AsyncEngine:
 
     def _shared_hit_tokens(self, request: Request) -> int:
         """Of the prompt tokens found in the prefix cache, those in its shared segment."""
-        segment = request.shared_prefix_tokens // self.core.pool.block_size * self.core.pool.block_size
+        segment = request.shared_prefix_tokens // self.core.kv.block_size * self.core.kv.block_size
         return min(request.reused, segment)
 
     def cached_tokens(self, request: Request) -> int:

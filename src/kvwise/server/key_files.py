@@ -81,7 +81,7 @@ def apply_server_keys(app, keys: ServerKeys) -> None:
     def rekey_engine() -> None:
         core = engine.core
         core.set_namespace_keys(keys.namespace)
-        for tier in core.kv.tiers.tiers if core.kv.tiers is not None else ():
+        for tier in core.kv.prefix_tiers():
             if isinstance(tier, DiskTier):
                 tier.set_keys(keys.disk_mac, keys.disk_encryption)
             elif isinstance(tier, RedisTier) and (keys.redis_hmac or keys.redis_encryption):

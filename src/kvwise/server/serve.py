@@ -218,7 +218,7 @@ def config_file_defaults(parser, path: str) -> dict:
     if not isinstance(data, dict):
         raise ValueError(f"--config {path}: expected a mapping of flag names to values")
     actions = {}  # every spelling of a flag (max-num-seqs, max_running, ...) -> its action
-    for action in parser._actions:
+    for action in parser._actions:  # noqa: SLF001  (argparse has no public list of its actions)
         if action.dest not in ("help", "version", "config"):
             for name in (action.dest, *action.option_strings):
                 actions[name.lstrip("-").replace("-", "_")] = action
@@ -235,7 +235,7 @@ def config_file_defaults(parser, path: str) -> dict:
                 raise ValueError(f"--config {path}: {key}: {error}") from None
         if action.choices is not None and value not in action.choices:
             raise ValueError(f"--config {path}: {key} must be one of {list(action.choices)}, got {value!r}")
-        if isinstance(action, argparse._AppendAction):
+        if isinstance(action, argparse._AppendAction):  # noqa: SLF001  (argparse's type for action="append")
             value = [value] if isinstance(value, str) else list(value)
         elif dest.startswith("no_") and not action.dest.startswith("no_"):  # a negative spelling of the flag
             if not isinstance(value, bool):
@@ -313,7 +313,7 @@ def build_app(args, keys=None):
         "KV pool: %d blocks of %d tokens (%.2f GiB), host swap %.2f GiB, longest request %s tokens",
         cache.num_blocks,
         cache.block_size,
-        cache.num_blocks * core.kv.storage.block_bytes / 2**30,
+        cache.num_blocks * core.kv.block_bytes / 2**30,
         cache.swap_space_bytes / 2**30,
         core.max_positions,
     )

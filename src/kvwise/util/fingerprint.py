@@ -11,16 +11,19 @@ is bounded: 64 values per parameter, whatever the model's size.
 from __future__ import annotations
 
 import hashlib
+import weakref
 
 import torch
 
 SAMPLES_PER_TENSOR = 64
+# model -> its fingerprint; weak, so a model's entry goes with the model
+_FINGERPRINTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @torch.no_grad()
 def weights_fingerprint(model) -> str:
     """32 hex digits, computed once per model object."""
-    cached = getattr(model, "_kvwise_fingerprint", None)
+    cached = _FINGERPRINTS.get(model)
     if cached is not None:
         return cached
     digest = hashlib.blake2b(digest_size=16, person=b"kvwise-weights")
@@ -32,5 +35,11 @@ def weights_fingerprint(model) -> str:
         digest.update(f"{name}:{tuple(parameter.shape)}".encode())
         digest.update(sample.numpy().tobytes())
     fingerprint = digest.hexdigest()
-    model._kvwise_fingerprint = fingerprint
+    _FINGERPRINTS[model] = fingerprint
     return fingerprint
+
+
+def forget_weights_fingerprint(model) -> None:
+    """Drop `model`'s remembered fingerprint: call it after changing its weights in place, so the
+    next `weights_fingerprint` (and every namespace built on it) sees the new weights."""
+    _FINGERPRINTS.pop(model, None)

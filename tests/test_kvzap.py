@@ -50,7 +50,7 @@ def _expected_keep(model, surrogate, ids, ratio):
 def _kept_positions(layer) -> list[list[int]]:
     """Sorted original positions each KV head of a library layer keeps."""
     _, _, valid = layer.padded()  # valid [1, kv_heads, max_len]
-    positions = layer._padded_positions(valid)
+    positions = layer.padded_positions(valid)
     return [sorted(positions[0, head][valid[0, head]].tolist()) for head in range(valid.shape[1])]
 
 

@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 from kvwise.adaptive.probes import AGREEMENT_TOKENS, agreement
 from kvwise.bench.adaptive_workload import CLASSES, WorkloadRequest, WorkloadSpec, at_rate, build_workload
-from kvwise.bench.environment import system_info
+from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.kv_budget import POOL_SHARE, SWAP_SHARE, cache_config_for_budget, token_bytes
@@ -113,23 +113,21 @@ def run_adaptive_bench(config: AdaptiveBenchConfig, out_dir: Path, resume: bool 
                     row = measured(key, lambda bar, s=system, b=budget: bench.run(s, b, arrivals, bar))
                     rows.append({**row, "system": system, "budget": fraction, "repeat": repeat})
     scored = bench.score(rows, reference)
-    report = {
-        "workload": "adaptive",
-        "config": asdict(config),
-        "system": system_info(model.device),
-        "rate": rate,
-        "rate_source": "given"
+    report = new_report(
+        "adaptive",
+        config,
+        model.device,
+        rate=rate,
+        rate_source="given"
         if config.rate is not None
         else f"{SATURATION:g}x full's service rate at unlimited memory (a burst)",
-        "pool_share": POOL_SHARE,
-        "peak_demand_bytes": peak,
-        "reference": _summary(reference),
-        "profile": profile.fingerprint,
-        "results": scored,
-    }
-    (out_dir / "adaptive.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "adaptive.md").write_text(markdown(report))
-    plot(report, out_dir / "adaptive.png")
+        pool_share=POOL_SHARE,
+        peak_demand_bytes=peak,
+        reference=_summary(reference),
+        profile=profile.fingerprint,
+        results=scored,
+    )
+    write_report(out_dir, report, markdown, {"adaptive.png": plot})
     # the runs stay in the partial file: a later call with more systems, budgets or repeats reuses them
     return report
 
@@ -383,8 +381,8 @@ def markdown(report: dict) -> str:
         f"haystack {workload['haystack_dir'] or 'built-in essays (bench part)'}, rate {report['rate']:.3f} req/s "
         f"({report['rate_source']}), peak full-cache demand {report['peak_demand_bytes']:,} bytes (a budget of f "
         f"gives the pool f of it: the budget is f x peak / {report.get('pool_share', POOL_SHARE)}), "
-        f"auto's floor {config['quality']}, model={config['model'] or 'SmolLM2-135M-Instruct'}",
-        f"system: kvwise {report['system']['kvwise']}, {report['system']['device']} ({report['system']['hardware']})",
+        f"auto's floor {config['quality']}, model={model_label(config)}",
+        system_line(report["system"]),
         "",
     ]
     merged = aggregate(report["results"])

@@ -18,16 +18,16 @@ import secrets
 import tempfile
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import torch
 from tqdm import tqdm
 
-from kvwise.bench.environment import system_info
 from kvwise.bench.loopback_server import LoopbackServer
 from kvwise.bench.rag_workload import RagWorkload, rag_prompts
+from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
 from kvwise.util.plotting import headless_pyplot
 
@@ -95,17 +95,8 @@ def run_cluster_bench(config: ClusterConfig, out_dir: Path) -> dict:
 
         serve.shutdown()
         ray.shutdown()
-    report = {
-        "workload": "cluster",
-        "config": asdict(config),
-        "system": system_info(torch.device("cpu")),
-        "summary": summarize(results),
-        "results": results,
-    }
-    (out_dir / "cluster.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "cluster.md").write_text(markdown(report))
-    plot(report, out_dir / "cluster.png")
-    return report
+    report = new_report("cluster", config, torch.device("cpu"), summary=summarize(results), results=results)
+    return write_report(out_dir, report, markdown, {"cluster.png": plot})
 
 
 def pool_blocks(config: ClusterConfig, parts: list[tuple[list[int], int]], block_size: int = 16) -> int:
@@ -288,10 +279,10 @@ def markdown(report: dict) -> str:
         f"Cluster RAG serving: {config['requests']} requests, {config['documents']} documents (Zipf "
         f"{config['zipf_exponent']}), {config['concurrency']} streaming clients in a closed loop, "
         f"{config['output_tokens']} output tokens each, {config['replicas']} replicas on a local Ray Serve, "
-        f"model={config['model'] or 'SmolLM2-135M-Instruct'}, shared tier {config['redis_url'] or 'none'}, "
+        f"model={model_label(config)}, shared tier {config['redis_url'] or 'none'}, "
         f"a pool of {config['pool_blocks']:,} blocks per replica ({config['cache_share']:.0%} of the distinct "
         "prefixes, plus the running requests)",
-        f"system: kvwise {report['system']['kvwise']}, {report['system']['hardware']}",
+        system_line(report["system"]),
         "",
         "| system | replicas | hit rate | device / host / Redis | TTFT p50 / p99 (s) | output tok/s | "
         "requests per replica | re-routed |",

@@ -60,6 +60,7 @@ def add_bench_parsers(workloads) -> None:
 
 def add_niah_parser(workloads) -> None:
     niah = workloads.add_parser("niah", help="needle in a haystack under compression")
+    _model_out_quick(niah, "a small grid: L=1000, 3 depths, 1 trial each")
     niah.add_argument(
         "--policies", type=specs, default=None, help="policies, with options as in a mix (full,kvzap:recent_window=64)"
     )
@@ -69,7 +70,6 @@ def add_niah_parser(workloads) -> None:
     niah.add_argument("--trials-per-depth", type=int, default=None)
     niah.add_argument("--mode", choices=["agnostic", "aware"], default="agnostic")
     niah.add_argument("--quant", default=None, help="also quantize what each policy keeps: kivi2, kivi4, int8, fp8")
-    niah.add_argument("--model", default=None)
     niah.add_argument(
         "--engine",
         action="store_true",
@@ -102,8 +102,6 @@ def add_niah_parser(workloads) -> None:
         "kvpress (KVzipPress, SnapKVPress, StreamingLLMPress, ExpectedAttentionPress) or kvpress:PRESS,...",
     )
     niah.add_argument("--seed", type=int, default=0)
-    niah.add_argument("--out", type=Path, default=Path("results"))
-    niah.add_argument("--quick", action="store_true", help="a small grid: L=1000, 3 depths, 1 trial each")
     niah.add_argument(
         "--long",
         action="store_true",
@@ -121,6 +119,7 @@ def add_niah_parser(workloads) -> None:
 
 def add_ppl_parser(workloads) -> None:
     ppl = workloads.add_parser("ppl", help="teacher-forced perplexity under quantization and KV budgets")
+    _model_out_quick(ppl, "1024 tokens, one budget, fewer systems")
     ppl.add_argument("--tokens", type=int, default=None, help="essay tokens scored (default 4096; 1024 with --quick)")
     ppl.add_argument("--chunk", type=int, default=None, help="tokens per forward (default 256)")
     ppl.add_argument("--quants", type=names, default=None, help="kvwise quantizers (default int8,fp8,kivi4,kivi2)")
@@ -130,27 +129,22 @@ def add_ppl_parser(workloads) -> None:
     ppl.add_argument("--peers", type=names, default=None, help="transformers QuantizedCache backends: quanto,hqq")
     ppl.add_argument("--dtype", default=None, help="model dtype (default bfloat16, what serving uses)")
     ppl.add_argument("--repeats", type=int, default=None, help="passes per system, fastest kept (default 2)")
-    ppl.add_argument("--model", default=None)
     ppl.add_argument("--haystack-dir", default=None, help="a folder of .txt files to score instead of the essays")
-    ppl.add_argument("--out", type=Path, default=Path("results"))
-    ppl.add_argument("--quick", action="store_true", help="1024 tokens, one budget, fewer systems")
     ppl.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")
 
 
 def add_reuse_parser(workloads) -> None:
     reuse = workloads.add_parser("reuse", help="prefix reuse: lookup cost, restore from tiers, RAG TTFT")
-    reuse.add_argument("--model", default=None)
+    _model_out_quick(reuse, "a 20,000-block tree, 8 requests, 1,000-token restore")
     reuse.add_argument("--requests", type=int, default=None, help="RAG requests (default 24; 8 with --quick)")
     reuse.add_argument(
         "--redis-url", default=None, help="a Redis to time restores from (default: the Redis row is left out)"
     )
-    reuse.add_argument("--out", type=Path, default=Path("results"))
-    reuse.add_argument("--quick", action="store_true", help="a 20,000-block tree, 8 requests, 1,000-token restore")
 
 
 def add_throughput_parser(workloads) -> None:
     throughput = workloads.add_parser("throughput", help="the engine against transformers generate loops")
-    throughput.add_argument("--model", default=None)
+    _model_out_quick(throughput, "8 requests of 64-128 tokens, 16 new tokens")
     throughput.add_argument("--dtype", default=None, help="model dtype (default: the model's, float32 on CPU)")
     throughput.add_argument("--requests", type=int, default=None, help="requests (default 32; 8 with --quick)")
     throughput.add_argument("--systems", type=names, default=None, help="hf-sequential,hf-batched,kvwise")
@@ -159,13 +153,11 @@ def add_throughput_parser(workloads) -> None:
         default=None,
         help="a KV mix on every request (e.g. kvzip@0.9): the engine with it, and the library path with and without",
     )
-    throughput.add_argument("--out", type=Path, default=Path("results"))
-    throughput.add_argument("--quick", action="store_true", help="8 requests of 64-128 tokens, 16 new tokens")
 
 
 def add_rag_parser(workloads) -> None:
     rag = workloads.add_parser("rag", help="prefix reuse on the engine: TTFT with reuse off and on")
-    rag.add_argument("--model", default=None)
+    _model_out_quick(rag, "8 requests, 3 documents of 300-600 tokens, 8 new tokens")
     rag.add_argument("--dtype", default=None, help="model dtype (default: the model's, float32 on CPU)")
     rag.add_argument("--requests", type=int, default=None, help="requests (default 24; 8 with --quick)")
     rag.add_argument("--concurrency", type=int, default=None, help="clients in the closed loop (default 4)")
@@ -176,13 +168,11 @@ def add_rag_parser(workloads) -> None:
         help="a KV mix such as kvzip@0.75+kivi4: also compress each document once and reuse it, "
         "against plain reuse and the library path",
     )
-    rag.add_argument("--out", type=Path, default=Path("results"))
-    rag.add_argument("--quick", action="store_true", help="8 requests, 3 documents of 300-600 tokens, 8 new tokens")
 
 
 def add_isolation_parser(workloads) -> None:
     isolation = workloads.add_parser("isolation", help="tenant timing probes and cache flooding on a live server")
-    isolation.add_argument("--model", default=None)
+    _model_out_quick(isolation, "20 trials per class, 256-token prefixes, 256 hit probes")
     isolation.add_argument("--trials", type=int, default=None, help="probes per class and mode (default 200)")
     isolation.add_argument("--prefix-tokens", type=int, default=None, help="tokens of a cached prefix (512)")
     isolation.add_argument("--modes", type=names, default=None, help="isolated,shared,shared-padded")
@@ -190,16 +180,12 @@ def add_isolation_parser(workloads) -> None:
         "--hit-probes", type=int, default=None, help="concurrent probes per mode that count cross-tenant hits (1000)"
     )
     isolation.add_argument("--seed", type=int, default=None)
-    isolation.add_argument("--out", type=Path, default=Path("results"))
-    isolation.add_argument(
-        "--quick", action="store_true", help="20 trials per class, 256-token prefixes, 256 hit probes"
-    )
     isolation.add_argument("--flood-only", action="store_true", help="only the flood test, no timing probes")
 
 
 def add_load_parser(workloads) -> None:
     load = workloads.add_parser("load", help="concurrent streaming clients with hang-ups against a live server")
-    load.add_argument("--model", default=None)
+    _model_out_quick(load, "16 clients for 15 s")
     load.add_argument("--clients", type=int, default=None, help="concurrent streaming clients (default 64)")
     load.add_argument("--duration", type=float, default=None, help="seconds of load (default 60)")
     load.add_argument("--hangup-fraction", type=float, default=None, help="streams that hang up early (0.25)")
@@ -210,8 +196,6 @@ def add_load_parser(workloads) -> None:
         "--tier-faults", action="store_true", help="spill to a disk tier and corrupt, truncate and fill it meanwhile"
     )
     load.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (default: the server's)")
-    load.add_argument("--out", type=Path, default=Path("results"))
-    load.add_argument("--quick", action="store_true", help="16 clients for 15 s")
 
 
 def add_adaptive_parser(workloads) -> None:
@@ -254,10 +238,8 @@ def _adaptive(args) -> None:
         spec.proportions = tuple(args.mix)
     _override(spec, args, ("requests", "seed", "haystack_dir", "needle", "question", "answer_prefix"))
     config = AdaptiveBenchConfig(workload=spec, model=args.model)
-    if args.systems is not None:
-        args.systems = tuple(args.systems)
-    if args.budgets is not None:
-        args.budgets = tuple(args.budgets)
+    _as_tuple(args, "systems")
+    _as_tuple(args, "budgets")
     _override(config, args, ("systems", "budgets", "rate", "repeats", "quality", "profile"))
     run_adaptive_bench(config, args.out, resume=not args.no_resume)
     print((args.out / "adaptive.md").read_text())
@@ -268,7 +250,7 @@ def add_cluster_parser(workloads) -> None:
     cluster = workloads.add_parser(
         "cluster", help="RAG on engine replicas on Ray Serve: routers, with and without the shared Redis tier"
     )
-    cluster.add_argument("--model", default=None)
+    _model_out_quick(cluster, "40 requests, 6 documents of 800-1200 tokens")
     cluster.add_argument("--replicas", type=int, default=None, help="replicas per multi-replica system (default 2)")
     cluster.add_argument("--requests", type=int, default=None, help="RAG requests (default 64; 40 with --quick)")
     cluster.add_argument("--concurrency", type=int, default=None, help="streaming clients in a closed loop (4)")
@@ -285,8 +267,6 @@ def add_cluster_parser(workloads) -> None:
         default=None,
         help="each replica's KV pool holds this share of the workload's distinct prefixes, in (0, 1] (default 0.5)",
     )
-    cluster.add_argument("--out", type=Path, default=Path("results"))
-    cluster.add_argument("--quick", action="store_true", help="40 requests, 6 documents of 800-1200 tokens")
 
 
 def _cluster(args) -> None:
@@ -298,12 +278,9 @@ def _cluster(args) -> None:
     config = ClusterConfig(model=args.model, redis_url=args.redis_url)
     if args.quick:
         config.requests, config.documents, config.document_tokens = 40, 6, (800, 1200)
-    if args.systems is not None:
-        args.systems = tuple(args.systems)
+    _as_tuple(args, "systems")
     _override(config, args, ("replicas", "requests", "concurrency", "systems", "seed", "cache_share"))
-    run_cluster_bench(config, args.out)
-    print((args.out / "cluster.md").read_text())
-    print(f"wrote {args.out / 'cluster.json'}")
+    _run_and_print(run_cluster_bench, config, args.out, "cluster")
 
 
 def run_bench(args) -> None:
@@ -322,9 +299,7 @@ def _load(args) -> None:
     args.duration_seconds = args.duration
     config.tier_faults = args.tier_faults
     _override(config, args, ("clients", "duration_seconds", "hangup_fraction", "cancel_fraction", "num_blocks"))
-    run_load(config, args.out)
-    print((args.out / "load.md").read_text())
-    print(f"wrote {args.out / 'load.json'}")
+    _run_and_print(run_load, config, args.out, "load")
 
 
 def _isolation(args) -> None:
@@ -333,13 +308,10 @@ def _isolation(args) -> None:
     config = IsolationConfig(model=args.model)
     if args.quick:
         config.trials, config.prefix_tokens, config.victim_repeats, config.hit_probes = 20, 256, 4, 256
-    if args.modes is not None:
-        args.modes = tuple(args.modes)
+    _as_tuple(args, "modes")
     _override(config, args, ("trials", "prefix_tokens", "modes", "hit_probes", "seed"))
     config.probes = not args.flood_only
-    run_isolation(config, args.out)
-    print((args.out / "isolation.md").read_text())
-    print(f"wrote {args.out / 'isolation.json'}")
+    _run_and_print(run_isolation, config, args.out, "isolation")
 
 
 def _rag(args) -> None:
@@ -349,12 +321,9 @@ def _rag(args) -> None:
     if args.quick:
         config.requests, config.documents, config.document_tokens = 8, 3, (300, 600)
         config.system_prompt_tokens, config.question_tokens, config.output_tokens = 200, (20, 60), 8
-    if args.systems is not None:
-        args.systems = tuple(args.systems)
+    _as_tuple(args, "systems")
     _override(config, args, ("requests", "concurrency", "systems", "compress"))
-    run_rag(config, args.out)
-    print((args.out / "rag.md").read_text())
-    print(f"wrote {args.out / 'rag.json'}")
+    _run_and_print(run_rag, config, args.out, "rag")
 
 
 def _throughput(args) -> None:
@@ -363,12 +332,9 @@ def _throughput(args) -> None:
     config = ThroughputConfig(model=args.model, dtype=args.dtype)
     if args.quick:
         config.requests, config.min_prompt, config.max_prompt, config.new_tokens = 8, 64, 128, 16
-    if args.systems is not None:
-        args.systems = tuple(args.systems)
+    _as_tuple(args, "systems")
     _override(config, args, ("requests", "systems", "mix"))
-    run_throughput(config, args.out)
-    print((args.out / "throughput.md").read_text())
-    print(f"wrote {args.out / 'throughput.json'}")
+    _run_and_print(run_throughput, config, args.out, "throughput")
 
 
 def _reuse(args) -> None:
@@ -378,9 +344,7 @@ def _reuse(args) -> None:
     if args.quick:
         config.tree_blocks, config.requests, config.restore_tokens = 20_000, 8, 1000
     _override(config, args, ("requests",))
-    run_reuse(config, args.out)
-    print((args.out / "reuse.md").read_text())
-    print(f"wrote {args.out / 'reuse.json'}")
+    _run_and_print(run_reuse, config, args.out, "reuse")
 
 
 def _override(config, args, options) -> None:
@@ -427,3 +391,23 @@ def _ppl(args) -> None:
     report = run_ppl(config, args.out, resume=not args.no_resume)
     print((args.out / "ppl.md").read_text())
     print(f"wrote {args.out / 'ppl.json'} ({len(report['results'])} systems)")
+
+
+def _model_out_quick(parser, quick_help: str) -> None:
+    """The flags every bench takes: the model, the results folder, and its quick variant."""
+    parser.add_argument("--model", default=None)
+    parser.add_argument("--out", type=Path, default=Path("results"))
+    parser.add_argument("--quick", action="store_true", help=quick_help)
+
+
+def _run_and_print(run, config, out: Path, name: str) -> None:
+    """Run a bench, then show its table and where its record went."""
+    run(config, out)
+    print((out / f"{name}.md").read_text())
+    print(f"wrote {out / f'{name}.json'}")
+
+
+def _as_tuple(args, name: str) -> None:
+    """A comma-list flag as the tuple its config field holds (None: the config's default)."""
+    if getattr(args, name) is not None:
+        setattr(args, name, tuple(getattr(args, name)))

@@ -23,7 +23,6 @@ A live server on loopback (the embedded model by default), two tenants with thei
 
 from __future__ import annotations
 
-import json
 import random
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -32,7 +31,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from kvwise.bench.environment import system_info
+from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 
 MODES = ("isolated", "shared", "shared-padded")
 KEYS = {"victim": "sk-bench-victim", "prober": "sk-bench-prober"}
@@ -259,26 +258,17 @@ def run_isolation(config: IsolationConfig, out_dir: Path) -> dict:
                 "control_ttft_median": sorted(p.ttft for p in controls)[len(controls) // 2],
             }
         )
-    report = {
-        "workload": "isolation",
-        "config": asdict(config),
-        "system": system_info(model.device),
-        "results": {"probes": summary, "flood": floods, "raw": [asdict(probe) for probe in probes]},
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "isolation.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "isolation.md").write_text(markdown(report))
-    if modes:
-        _plot(report, out_dir / "isolation_ttft.png")
-    return report
+    results = {"probes": summary, "flood": floods, "raw": [asdict(probe) for probe in probes]}
+    report = new_report("isolation", config, model.device, results=results)
+    return write_report(out_dir, report, markdown, {"isolation_ttft.png": _plot} if modes else None)
 
 
 def markdown(report: dict) -> str:
     config, system = report["config"], report["system"]
     lines = [
-        f"Isolation, model={config['model'] or 'SmolLM2-135M-Instruct'}, {config['trials']} trials per class and "
+        f"Isolation, model={model_label(config)}, {config['trials']} trials per class and "
         f"mode, {config['prefix_tokens']}-token prefixes, seed={config['seed']}",
-        f"system: kvwise {system['kvwise']}, torch {system['torch']}, {system['device']} ({system['hardware']})",
+        system_line(system, "torch"),
         "",
     ]
     if report["results"]["probes"]:

@@ -13,7 +13,6 @@ held outside the prefix cache and the prefix-cache locks (both must be 0).
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import resource
@@ -23,10 +22,10 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
-from kvwise.bench.environment import system_info
+from kvwise.bench.report_files import model_label, new_report, write_report
 from kvwise.bench.stats import percentile
 from kvwise.bench.tier_faults import FillingDiskTier, TierFaults
 
@@ -175,17 +174,9 @@ def run_load(config: LoadConfig, out_dir: Path) -> dict:
     if faults is not None:
         shutil.rmtree(faults.disk.directory, ignore_errors=True)
     summary = _summary(records, samples, faults, leaked, locks)
-    report = {
-        "workload": "load",
-        "config": asdict(config),
-        "system": system_info(model.device),
-        "results": {"summary": summary, "samples": samples, "requests": records},
-    }
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "load.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "load.md").write_text(markdown(report))
-    _plot(report, out_dir / "load_memory.png")
-    return report
+    results = {"summary": summary, "samples": samples, "requests": records}
+    report = new_report("load", config, model.device, results=results)
+    return write_report(out_dir, report, markdown, {"load_memory.png": _plot})
 
 
 def _summary(records: list[dict], samples: list[dict], faults, leaked: int, locks: int) -> dict:
@@ -222,7 +213,7 @@ def markdown(report: dict) -> str:
 
     return "\n".join(
         [
-            f"Load, model={config['model'] or 'SmolLM2-135M-Instruct'}, {config['clients']} streaming clients for "
+            f"Load, model={model_label(config)}, {config['clients']} streaming clients for "
             f"{config['duration_seconds']:.0f} s, {config['hangup_fraction']:.0%} hang up mid-stream, "
             f"{config.get('cancel_fraction', 0):.0%} give up before their first token, "
             f"{config['max_tokens']} tokens each"

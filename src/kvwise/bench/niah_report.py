@@ -6,6 +6,7 @@ from collections import defaultdict
 from pathlib import Path
 from statistics import mean, median
 
+from kvwise.bench.report_files import model_label, system_line
 from kvwise.util.pareto import pareto_front
 from kvwise.util.plotting import headless_pyplot
 
@@ -50,10 +51,9 @@ def markdown_table(report: dict) -> str:
     lines = [
         f"NIAH, mode={config['mode']}, lengths={config['lengths']}, depths={config['depths']}, "
         f"trials/depth={config['trials_per_depth']}, seed={config['seed']}, "
-        f"model={config['model'] or 'SmolLM2-135M-Instruct'}, prompt={report.get('prompt_format', 'chat template')}"
+        f"model={model_label(config)}, prompt={report.get('prompt_format', 'chat template')}"
         + (f", quant={config['quant']} (kv16 = bytes held / a 16-bit full cache's)" if config.get("quant") else ""),
-        f"system: kvwise {system['kvwise']}, torch {system['torch']}, transformers {system['transformers']}, "
-        f"{system['device']} ({system['hardware']})"
+        system_line(system, "torch", "transformers")
         + (f", paths: {', '.join(config['paths'])}" if config.get("paths") else ""),
         "",
         "Accuracy (correct/trials) per compression ratio; kv = bytes held / full cache bytes; "
@@ -216,13 +216,14 @@ def plot_budgets(report: dict, out_dir: Path) -> None:
         linewidth=1,
         label="Pareto front",
     )
-    axis.set_xscale("log")
-    axis.set_xlabel("KV bytes held / a 16-bit full cache's (log)")
-    axis.set_ylabel("accuracy")
-    axis.set_title("NIAH accuracy at equal bytes")
-    axis.legend(fontsize=7, ncol=2)
-    figure.savefig(out_dir / "niah_equal_bytes.png", dpi=100)
-    plt.close(figure)
+    _save_accuracy_plot(
+        plt,
+        figure,
+        axis,
+        "KV bytes held / a 16-bit full cache's (log)",
+        "NIAH accuracy at equal bytes",
+        out_dir / "niah_equal_bytes.png",
+    )
 
 
 def plot_niah(report: dict, out_dir: Path) -> None:
@@ -282,10 +283,22 @@ def plot_niah(report: dict, out_dir: Path) -> None:
         # colour and marker cycle at different lengths: no two of the first 50 policies look alike
         style = {"color": colors[index % len(colors)], "marker": markers[(index // len(colors) + index) % len(markers)]}
         axis.plot([p[0] for p in points], [p[1] for p in points], label=policy, markersize=6, **style)
+    _save_accuracy_plot(
+        plt,
+        figure,
+        axis,
+        "KV bytes held after compression (MB, log)",
+        "NIAH accuracy against KV memory",
+        out_dir / "niah_accuracy_vs_bytes.png",
+    )
+
+
+def _save_accuracy_plot(plt, figure, axis, x_label: str, title: str, path: Path) -> None:
+    """Accuracy against bytes on a log scale, labelled, saved and closed."""
     axis.set_xscale("log")
-    axis.set_xlabel("KV bytes held after compression (MB, log)")
+    axis.set_xlabel(x_label)
     axis.set_ylabel("accuracy")
-    axis.set_title("NIAH accuracy against KV memory")
+    axis.set_title(title)
     axis.legend(fontsize=7, ncol=2)
-    figure.savefig(out_dir / "niah_accuracy_vs_bytes.png", dpi=100)
+    figure.savefig(path, dpi=100)
     plt.close(figure)

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvwise.bench.environment import system_info
 from kvwise.bench.haystack import read_haystack
 from kvwise.bench.hf_peers import backend_available, hf_cache_bytes, make_hf_quantized_cache
+from kvwise.bench.report_files import new_report
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.policies.registry import make_policy
@@ -191,13 +191,9 @@ def run_ppl(config: PplConfig, out_dir: Path, resume: bool = True) -> dict:
     for row in results:
         row["ppl_ratio"] = row["ppl"] / baseline["ppl"]
         row["speed_vs_full"] = row["tokens_per_second"] / baseline["tokens_per_second"]
-    report = {
-        "workload": "ppl",
-        "config": asdict(config),
-        "system": system_info(model.device),
-        "model_dtype": str(model.dtype).removeprefix("torch."),
-        "results": results,
-    }
+    report = new_report(
+        "ppl", config, model.device, model_dtype=str(model.dtype).removeprefix("torch."), results=results
+    )
     (out_dir / "ppl.json").write_text(json.dumps(report, indent=1))
     from kvwise.bench.ppl_report import write_ppl_report
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from kvwise.bench.report_files import model_label, system_line
 from kvwise.util.plotting import headless_pyplot
 
 
@@ -27,10 +28,9 @@ def markdown_table(report: dict) -> str:
     config, system = report["config"], report["system"]
     lines = [
         f"PPL, tokens={config['tokens']} in chunks of {config['chunk']}, "
-        f"model={config['model'] or 'SmolLM2-135M-Instruct'} ({report['model_dtype']}), "
+        f"model={model_label(config)} ({report['model_dtype']}), "
         f"fastest of {config.get('repeats', 1)} passes per system",
-        f"system: kvwise {system['kvwise']}, torch {system['torch']}, transformers {system['transformers']}, "
-        f"{system['device']} ({system['hardware']})",
+        system_line(system, "torch", "transformers"),
         "",
         "ppl_ratio and speed are against the full cache in this run; kv16 = KV bytes held at the end / "
         "what a 16-bit full cache holds for the same tokens.",

@@ -14,7 +14,6 @@ reusing it (`bench/rag_compress.py`), and the library path's answers for the sam
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -23,9 +22,9 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from kvwise.bench.environment import system_info
 from kvwise.bench.rag_compress import MATCH_TOKENS, compression_summary, document_hit_ttft, library_answers
 from kvwise.bench.rag_workload import RagWorkload, rag_prompts
+from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
 from kvwise.bench.throughput import generate_timed
 from kvwise.engine.kv_settings import KVSettings
@@ -173,17 +172,8 @@ def run_rag(config: RagConfig, out_dir: Path) -> dict:
     compressed = next((row for row in results if row["system"] == "kvwise-compress"), None)
     if compressed is not None and True in by_reuse:
         summary["compress"] = compression_summary(by_reuse[True], compressed, library)
-    report = {
-        "workload": "rag",
-        "config": asdict(config),
-        "system": system_info(model.device),
-        "prompt_tokens": sum(map(len, prompts)),
-        "summary": summary,
-        "results": results,
-    }
-    (out_dir / "rag.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "rag.md").write_text(markdown(report))
-    return report
+    fields = {"prompt_tokens": sum(map(len, prompts)), "summary": summary, "results": results}
+    return write_report(out_dir, new_report("rag", config, model.device, **fields), markdown)
 
 
 def markdown(report: dict) -> str:
@@ -191,8 +181,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"RAG serving, {config['requests']} requests ({report['prompt_tokens']:,} prompt tokens), "
         f"{config['concurrency']} clients in a closed loop, {config['output_tokens']} output tokens each, "
-        f"model={config['model'] or 'SmolLM2-135M-Instruct'}",
-        f"system: kvwise {report['system']['kvwise']}, {report['system']['device']} ({report['system']['hardware']})",
+        f"model={model_label(config)}",
+        system_line(report["system"]),
         "",
         "| system | reuse | TTFT p50 / p99 (s) | TPOT p50 (s) | output tok/s | req/s | hit rate | peak KV bytes |",
         "|---|---|---|---|---|---|---|---|",

@@ -11,20 +11,19 @@ Three measurements, all in one run (../docs BENCHMARKS "rag" for the third):
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
-from kvwise.bench.environment import system_info
 from kvwise.bench.haystack import read_haystack
 from kvwise.bench.rag_workload import RagWorkload, rag_requests
+from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.hashing import Namespace
@@ -147,26 +146,15 @@ def run_reuse(config: ReuseConfig, out_dir: Path) -> dict:
             print("no --redis-url: the Redis tier is left out (start a redis-server and pass its URL to time it)")
         restore = measure_restore(model, restore_ids, config.block_size, tiers)
         rag = run_rag(model, requests, config, bar)
-    report = {
-        "workload": "reuse",
-        "config": asdict(config),
-        "system": system_info(model.device),
-        "lookup_us_per_token": lookup,
-        "restore_speedup": restore,
-        "rag": rag,
-        "results": [],
-    }
-    (out_dir / "reuse.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "reuse.md").write_text(markdown(report))
-    return report
+    fields = {"lookup_us_per_token": lookup, "restore_speedup": restore, "rag": rag, "results": []}
+    return write_report(out_dir, new_report("reuse", config, model.device, **fields), markdown)
 
 
 def markdown(report: dict) -> str:
     config, rag = report["config"], report["rag"]
     lines = [
-        f"Prefix reuse, model={config['model'] or 'SmolLM2-135M-Instruct'} ({config['dtype']}), "
-        f"block size {config['block_size']}",
-        f"system: kvwise {report['system']['kvwise']}, {report['system']['device']} ({report['system']['hardware']})",
+        f"Prefix reuse, model={model_label(config)} ({config['dtype']}), block size {config['block_size']}",
+        system_line(report["system"]),
         "",
         f"- lookup: {report['lookup_us_per_token']:.3f} us per matched token "
         f"on a tree of {config['tree_blocks']:,} blocks",

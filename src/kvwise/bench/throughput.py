@@ -9,7 +9,6 @@ requests arrive at time 0; TTFT is measured from then. Systems, same run: transf
 
 from __future__ import annotations
 
-import json
 import random
 import statistics
 import time
@@ -20,8 +19,8 @@ import torch
 from tqdm import tqdm
 from transformers.generation.streamers import BaseStreamer
 
-from kvwise.bench.environment import system_info
 from kvwise.bench.haystack import read_haystack
+from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
 from kvwise.hf.cache import full_kv_bytes
 
@@ -210,16 +209,8 @@ def run_throughput(config: ThroughputConfig, out_dir: Path) -> dict:
             else:
                 size = 1 if system == "hf-sequential" else config.batch_size
                 results.append(run_hf(model, prompts, config, size, progress))
-    report = {
-        "workload": "throughput",
-        "config": asdict(config),
-        "system": system_info(model.device),
-        "prompt_tokens": sum(map(len, prompts)),
-        "results": results,
-    }
-    (out_dir / "throughput.json").write_text(json.dumps(report, indent=1))
-    (out_dir / "throughput.md").write_text(markdown(report))
-    return report
+    report = new_report("throughput", config, model.device, prompt_tokens=sum(map(len, prompts)), results=results)
+    return write_report(out_dir, report, markdown)
 
 
 def markdown(report: dict) -> str:
@@ -228,8 +219,8 @@ def markdown(report: dict) -> str:
     lines = [
         f"Throughput, {config['requests']} requests, prompts {config['min_prompt']}-{config['max_prompt']} tokens "
         f"({report['prompt_tokens']:,} in all), {config['new_tokens']} new tokens each, "
-        f"model={config['model'] or 'SmolLM2-135M-Instruct'}",
-        f"system: kvwise {report['system']['kvwise']}, {report['system']['device']} ({report['system']['hardware']})",
+        f"model={model_label(config)}",
+        system_line(report["system"]),
         "",
         "| system | output tok/s | vs sequential | vs batched | wall (s) | TTFT p50 / p99 (s) | TPOT p50 (s) | "
         "hit rate | peak KV bytes |",

@@ -52,7 +52,7 @@ def test_later_questions_reuse_the_compressed_document_and_answer_as_if_compress
         assert request.output == alone.output
         assert request.compressed_kv_bytes == alone.compressed_kv_bytes
     # the cache holds the region, no request does
-    assert core.kv._compressed.entries and all(e.region.holders == 1 for e in core.kv._compressed.entries.values())
+    assert core.kv.compressed_entries() and all(e.region.holders == 1 for e in core.kv.compressed_entries())
 
 
 def test_another_tenant_mix_or_preamble_is_another_entry(llama):
@@ -74,8 +74,8 @@ def test_compressed_documents_give_way_under_memory_pressure_and_are_zeroed(llam
     assert core.kv._compressed.evictions > 0
     while len(core.kv._compressed):
         core.kv._let_go(core.kv._compressed.evict_one()[1].region)
-    core.kv._tree.evict(core.kv._pool.num_blocks)
-    assert core.kv._pool.stats().used == 0 and core.kv._head_pages.used_pages == 0
+    core.kv._tree.evict(core.kv.num_blocks)
+    assert core.kv.stats().used_blocks == 0 and core.kv._head_pages.used_pages == 0
     assert not core.kv._storage.all_keys.any() and not core.kv._storage.all_values.any()
 
 
@@ -95,17 +95,17 @@ def test_a_document_pushed_off_the_device_comes_back_from_a_tier_bit_for_bit(lla
     tier = HostTier(1 << 28) if tier_kind == "host" else DiskTier(tmp_path)
     core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=48, token_budget=128), tiers=[tier])
     first = _ask(core, QUESTIONS[0], mix)
-    entry = next(iter(core.kv._compressed.entries.values()))
+    entry = next(iter(core.kv.compressed_entries()))
     region = entry.region
     before = [part.clone() for layer in range(3) for part in region.read(core.kv._storage, layer)]
     for seed in range(8):  # other documents push it off the device, to the tier
         _ask(core, QUESTIONS[0], mix, document=random_ids(1, 80, seed=40 + seed)[0].tolist())
-    assert core.kv._compressed.spilled > 0 and entry not in core.kv._compressed.entries.values()
+    assert core.kv._compressed.spilled > 0 and entry not in core.kv.compressed_entries()
     again = _ask(core, QUESTIONS[0], mix)
     assert core.kv._compressed.restored >= 1 and again.compressed_hit
     assert _first_chunk_start(core, again) == len(DOCUMENT)  # only the question was computed
     assert again.output == first.output
-    restored = next(e for e in core.kv._compressed.entries.values() if e.tokens == tuple(DOCUMENT))
+    restored = next(e for e in core.kv.compressed_entries() if e.tokens == tuple(DOCUMENT))
     after = [part for layer in range(3) for part in restored.region.read(core.kv._storage, layer)]
     assert all(torch.equal(a, b) for a, b in zip(before, after))  # quantized codes came back as they were
     assert restored.region.counts == region.counts

@@ -152,7 +152,7 @@ def test_a_per_request_policy_changes_only_that_request(llama):
     _run(core, mixed, until=lambda: squeezed.computed >= len(squeezed.prompt))
     kept = 28  # round(57 * 0.5): ties go to the even count (policies.selection)
     # evicted right after its prefill: each head keeps its 28 tokens in head pages...
-    page_tokens = core.kv._head_pages.page_tokens
+    page_tokens = core.kv.page_tokens
     assert squeezed.region.counts == [[kept] * 2] * 3 and squeezed.region.num_pages == 3 * 2 * math.ceil(
         kept / page_tokens
     )
@@ -271,7 +271,7 @@ def test_prompts_that_only_fit_one_at_a_time_still_finish(llama):
     outputs = [tight.make_request(p, params) for p in prompts]
     _run(tight, outputs)
     assert [r.output for r in outputs] == [r.output for r in expected]
-    assert tight.kv._pool.stats().used == 0
+    assert tight.kv.stats().used_blocks == 0
 
 
 def test_token_ids_outside_the_vocabulary_are_refused(llama):

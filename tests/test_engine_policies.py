@@ -73,7 +73,7 @@ def test_every_policy_holds_its_budget_frees_blocks_and_matches_the_library(llam
         seen["counts"] = [list(layer) for layer in region.counts]
         seen["positions"] = [positions.clone() for positions in region.positions]
         seen["pages"] = region.num_pages
-        seen["used_blocks"] = core.kv._pool.stats().used
+        seen["used_blocks"] = core.kv.stats().used_blocks
         seen["tail_blocks"] = len(request.blocks)
         seen["bytes"] = core.kv.request_bytes(request)
 
@@ -90,18 +90,18 @@ def test_every_policy_holds_its_budget_frees_blocks_and_matches_the_library(llam
         budgets = [head_budgets(scorer, RATIO, [private], layer, layers)[0] for layer in range(layers)]
         assert counts.tolist() == [[budget] * heads for budget in budgets]
     # real memory: the pages hold exactly the kept tokens, rounded up to a page per head
-    page_tokens = core.kv._head_pages.page_tokens
+    page_tokens = core.kv.page_tokens
     assert seen["pages"] == sum(-(-count // page_tokens) for count in counts.flatten().tolist())
     page_blocks = -(-seen["pages"] // (layers * heads * (BLOCK // page_tokens)))
     assert seen["used_blocks"] <= page_blocks + seen["tail_blocks"]
     full_blocks = -(-private // BLOCK)
-    assert seen["bytes"] < full_blocks * core.kv._storage.nbytes() // core.kv._pool.num_blocks
+    assert seen["bytes"] < full_blocks * core.kv._storage.nbytes() // core.kv.num_blocks
     for layer, positions in enumerate(seen["positions"]):  # kept tokens sit at their own positions
         for head in range(heads):
             kept = positions[head, : seen["counts"][layer][head]]
             assert kept.tolist() == sorted(set(kept.tolist())) and 0 <= int(kept.min()) and int(kept.max()) < private
     assert request.output == _library_tokens(llama, ids, policy)
-    assert core.kv._pool.stats().used == 0 and core.kv._head_pages.used_pages == 0
+    assert core.kv.stats().used_blocks == 0 and core.kv._head_pages.used_pages == 0
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "adakv", "pyramidkv", "h2o", "kvzip"])
@@ -126,7 +126,7 @@ def test_a_cap_during_decoding_keeps_each_head_at_most_the_cap(llama, policy):
                         assert kept == sorted(set(kept)) and 0 <= kept[0] and kept[-1] < request.computed
     assert len(request.output) == 40
     assert cap < most <= cap + BLOCK + 1  # evicted back to the cap whenever a block's worth piled up
-    assert core.kv._pool.stats().used == 0 and core.kv._head_pages.used_pages == 0
+    assert core.kv.stats().used_blocks == 0 and core.kv._head_pages.used_pages == 0
 
 
 def test_evicted_requests_beside_plain_ones_leave_the_plain_outputs_alone(llama):
@@ -141,7 +141,7 @@ def test_evicted_requests_beside_plain_ones_leave_the_plain_outputs_alone(llama)
     _run(core, mixed)
     assert [r.output for r in mixed[::2]] == [r.output for r in plain[::2]]
     assert all(len(r.output) == 10 for r in mixed)
-    assert core.kv._pool.stats().used == 0
+    assert core.kv.stats().used_blocks == 0
 
 
 def test_freed_pages_and_blocks_are_zeroed(llama):
@@ -152,7 +152,7 @@ def test_freed_pages_and_blocks_are_zeroed(llama):
         kv=KVSettings("adakv", ratio=0.8),
     )
     _run(core, [request])
-    assert core.kv._pool.stats().used == 0
+    assert core.kv.stats().used_blocks == 0
     for keys, values in zip(core.kv._storage.keys, core.kv._storage.values):
         assert not keys.any() and not values.any()
 
@@ -176,13 +176,13 @@ def test_every_policy_composes_with_every_quantizer(llama, policy, quant):
         region = request.region
         if region is not None and not request.done:
             assert region.quant is not None and region.quant.name == core.kv._quantized_pages[settings.quant].name
-            row_bytes = core.kv._head_pages.page_bytes // core.kv._head_pages.page_tokens
+            row_bytes = core.kv._head_pages.page_bytes // core.kv.page_tokens
             float_bytes = sum(map(sum, region.counts)) * row_bytes
             quantized.append(region.nbytes / float_bytes)
     assert len(request.output) == 12 and quantized
     # under 0.5: KIVI pages are one 32-token group, a head capped at 24 tokens pads a third of one
     assert max(quantized) < (0.6 if quant in ("int8", "fp8") else 0.5)
-    assert core.kv._head_pages.used_pages == 0 and core.kv._pool.stats().used == 0
+    assert core.kv._head_pages.used_pages == 0 and core.kv.stats().used_blocks == 0
     assert core.kv._quantized_pages[settings.quant].used_bytes() == 0
 
 
@@ -230,7 +230,7 @@ def test_kvzip_s_pass_in_chunks_beside_other_work_matches_the_library(llama):
         passes.append(request.reconstruction is not None)
     assert sum(passes) >= 3  # the pass took several steps
     assert request.output == _library_tokens(llama, ids, "kvzip")
-    assert len(other.output) == 30 and core.kv._pool.stats().used == 0
+    assert len(other.output) == 30 and core.kv.stats().used_blocks == 0
 
 
 @pytest.mark.smollm
@@ -274,7 +274,7 @@ def test_quest_reads_only_its_top_pages_and_matches_the_library(llama):
     )
     assert request.output == expected[0, ids.shape[1] :].tolist()
     assert 0 < request.kv_bytes_read < 0.65 * request.kv_bytes_held_read
-    assert request.region is None and core.kv._pool.stats().used == 0
+    assert request.region is None and core.kv.stats().used_blocks == 0
 
 
 @pytest.mark.parametrize("quant", QUANTIZERS)
@@ -294,4 +294,4 @@ def test_quest_composes_with_every_quantizer(llama, quant):
         quantized |= Place.QUANTIZED in request.blocks.places
     assert quantized and len(request.output) == 12
     assert 0 < request.kv_bytes_read < 0.65 * request.kv_bytes_held_read
-    assert core.kv._pool.stats().used == 0
+    assert core.kv.stats().used_blocks == 0

@@ -67,7 +67,7 @@ def test_a_corrupt_disk_block_is_recomputed_with_the_same_output(llama, tmp_path
     again = run(core, prompt(4))
     assert again.output == first.output
     assert again.reused == 0 and core.kv.prefix_stats.recomputed_blocks >= 1
-    assert core.kv._tiers.tiers[0].stats.corrupt >= 1
+    assert core.kv.prefix_tiers()[0].stats.corrupt >= 1
 
 
 def test_a_tier_block_of_another_geometry_is_a_miss_and_leaks_nothing(llama):
@@ -180,7 +180,7 @@ def test_every_tampered_disk_entry_is_detected_counted_and_recomputed(llama, tmp
     files = sorted(tmp_path.glob("*/*.kvb"))
     assert len(files) >= 10
     _damage(kind, files, tmp_path)
-    disk = core.kv._tiers.tiers[0]
+    disk = core.kv.prefix_tiers()[0]
     again = run(core, prompt(4))
     assert again.output == first.output and again.reused == 0  # nothing tampered is served
     assert disk.stats.corrupt >= 1 and disk.stats.hits == 0
@@ -211,4 +211,4 @@ def test_a_tier_that_raises_on_read_is_a_miss_not_a_failed_step(llama):
     flush_device(core, seed=5)
     again = run(core, prompt(4))
     assert again.output == first.output and again.reused == 0 and again.error is None
-    assert core.kv._tiers.tiers[0].stats.errors >= 1 and "a bug in a tier" in core.kv._tiers.tiers[0].last_error
+    assert core.kv.prefix_tiers()[0].stats.errors >= 1 and "a bug in a tier" in core.kv.prefix_tiers()[0].last_error

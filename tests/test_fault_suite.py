@@ -120,7 +120,7 @@ def test_a_full_disk_refuses_puts_and_the_tier_recovers_when_space_returns(
     disk_dir = tmp_path / "disk"
     server = disk_server(model_dir, disk_dir)
     core = server.engine.core
-    tier = core.kv._tiers.tiers[0]
+    tier = core.kv.prefix_tiers()[0]
     try:
         fault = FullDisk(disk_dir, monkeypatch)
         for index in (0, 5, 6, 7, 0):  # 0 is pushed out, then asked again: nothing to find on disk
@@ -162,7 +162,7 @@ def test_files_damaged_under_a_live_server_are_counted_deleted_and_recomputed(mo
     disk_dir = tmp_path / "disk"
     server = disk_server(model_dir, disk_dir)
     core = server.engine.core
-    tier = core.kv._tiers.tiers[0]
+    tier = core.kv.prefix_tiers()[0]
     try:
         for index in range(8):  # prompts 0-4, then 5-7 push all of them to the disk
             assert complete(server, prompts[index]) == expected[index]

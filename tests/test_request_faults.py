@@ -113,7 +113,7 @@ def test_a_fault_in_a_step_fails_only_the_request_that_raises(llama, monkeypatch
     assert {canary.request_id, poison.request_id} <= {c[0] for c in failed_step.chunks}
     assert not core.scheduler.running and not core.scheduler.waiting
     # the failed request's blocks are back; only the cache holds any
-    assert core.kv._pool.stats().used == len(core.kv._tree)
+    assert core.kv.stats().used_blocks == len(core.kv._tree)
 
 
 def test_a_flooding_tenant_gets_the_429_and_another_keeps_its_share(llama):

@@ -50,8 +50,8 @@ def test_a_compressed_document_answers_later_questions(served):
     second = ask(server, "Which colour is the umbrella in locker 5?", compress="kvzip@0.75")
     assert core.kv._compressed.hits == hits + 1
     assert first.choices[0].message.content and second.choices[0].message.content
-    entry = next(iter(core.kv._compressed.entries.values()))
-    full_bytes = len(entry.tokens) * core.kv._storage.nbytes() // (core.kv._pool.num_blocks * core.kv.block_size)
+    entry = next(iter(core.kv.compressed_entries()))
+    full_bytes = len(entry.tokens) * core.kv._storage.nbytes() // (core.kv.num_blocks * core.kv.block_size)
     assert entry.region.num_pages * core.kv._head_pages.page_bytes < 0.4 * full_bytes
     another_mix = ask(server, "Which colour is the umbrella in locker 5?", compress="snapkv@0.5+kivi4")
     assert another_mix.choices[0].finish_reason in ("stop", "length")

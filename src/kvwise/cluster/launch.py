@@ -167,7 +167,8 @@ def _ingress(args, handle, replica_args, keys):
     from kvwise.cluster.routed_request import PromptEncoder, RoutingKeys
     from kvwise.cluster.router_registry import ACTIVE_ROUTERS
     from kvwise.models import load_tokenizer
-    from kvwise.server.app import RequestHandlers, parse_kv_quant_options
+    from kvwise.server.app import RequestHandlers
+    from kvwise.server.kv_fields import parse_kv_quant_options
     from kvwise.server.serve import kv_cache_dtype, model_flag, served_name, server_settings
 
     described = handle.describe.remote().result(timeout_s=600)

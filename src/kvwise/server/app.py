@@ -20,15 +20,20 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from kvwise.adaptive.request_class import check_hint
 from kvwise.engine.core import ContextLengthError, EngineCore
 from kvwise.engine.detokenizer import IncrementalText
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.chat_template import NO_TEMPLATE_SERVER_HINT, has_chat_template, render_chat
-from kvwise.kv.quantizer import make_quantizer, quantizer_names
 from kvwise.server.api_keys import KeyEntry, find_key
 from kvwise.server.async_engine import AsyncEngine, EngineFailure
+from kvwise.server.kv_fields import (
+    compression_settings,
+    default_kv_quant_options,
+    kv_auto,
+    kv_usage,
+    request_kv_settings,
+)
 from kvwise.server.metrics import ServerMetrics
 from kvwise.server.openai_format import Echo, Formatter
 from kvwise.server.openapi import install_openapi, request_body
@@ -80,20 +85,6 @@ class Caller:
     shared_prefix: bool  # asked for the shared namespace (header, or the key's `shared` default)
     may_read_shared: bool = True
     may_write_shared: bool = True
-
-
-def default_kv_quant_options() -> frozenset[str]:
-    """The four scalar quantizers with their default settings (lowrank needs the model's bases
-    from `kvwise calibrate`, so a server enables it by name: --kv-quant-options)."""
-    return frozenset(make_quantizer(name).spec for name in quantizer_names() if name != "lowrank")
-
-
-def parse_kv_quant_options(text: str | None) -> frozenset[str]:
-    """--kv-quant-options "kivi2,kivi4:group_size=16" -> canonical specs ("none": no kv_quant at all)."""
-    if text is None:
-        return default_kv_quant_options()
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    return frozenset(quantizer.spec for quantizer in map(make_quantizer, names) if quantizer is not None)
 
 
 def bearer_key(request: Request) -> str | None:
@@ -281,12 +272,13 @@ class RequestHandlers:
         headers = {"Warning": f'299 kvwise "ignored: {", ".join(ignored)}"'} if ignored else None
         prompts = self.chat_prompts(body) if chat else self.completion_prompts(body)
         params = self._sampling(body, chat, max(map(len, prompts)))
-        kv = self._kv_settings(body)
+        kv = request_kv_settings(body, self.settings.kv_quant_options)
         shared_tokens = self.shared_tokens(body, caller, chat, prompts)
         compress_upto = None
         if body.kv_prefix is not None and body.kv_prefix.compress is not None:
-            kv, compress_upto = self._compression(body, chat, prompts, kv)
-        auto = self._kv_auto(body, kv)
+            kv = compression_settings(body, kv, self.settings.kv_quant_options)
+            compress_upto = self._prefix_length(body, chat, prompts)
+        auto = kv_auto(body, kv, self.core.controller is not None)
         if kv is None and auto is None and self.settings.default_kv_quant is not None:
             kv = KVSettings("full", 0.0, quant=self.settings.default_kv_quant)
         turns = sum(message.role == "user" for message in body.messages) if chat else 0
@@ -356,22 +348,6 @@ class RequestHandlers:
         if not (caller.may_read_shared or caller.may_write_shared):
             raise OpenAIError(403, "this key may not use the shared namespace", param="kv_prefix")
         return self._prefix_length(body, chat, prompts)
-
-    def _compression(self, body, chat: bool, prompts: list[list[int]], kv) -> tuple[KVSettings, int]:
-        """The settings and the document's length for `kv_prefix.compress`."""
-        marked = body.kv_prefix
-        if kv is not None:
-            message = f"kv_prefix.compress sets the request's KV mix: leave out kv_mix, {SEPARATE_KV_FIELDS}"
-            raise OpenAIError(400, message, param="kv_prefix.compress")
-        if marked.shared:
-            message = "a compressed kv_prefix is cached per tenant: it cannot also be shared"
-            raise OpenAIError(400, message, param="kv_prefix.compress")
-        settings = _mix_settings(marked.compress, "kv_prefix.compress")
-        if not settings.evicts or settings.ratio <= 0:
-            message = f"kv_prefix.compress needs a policy with a ratio, such as 'kvzip@0.9'; got {marked.compress!r}"
-            raise OpenAIError(400, message, param="kv_prefix.compress")
-        self._check_quant_enabled(settings, marked.compress, "kv_prefix.compress")
-        return settings, self._prefix_length(body, chat, prompts)
 
     def _prefix_length(self, body, chat: bool, prompts: list[list[int]]) -> int:
         """The prompt tokens the `kv_prefix` segment covers (for chat without one: the leading
@@ -487,54 +463,6 @@ class RequestHandlers:
             )
         except ValueError as error:
             raise OpenAIError(400, str(error)) from None
-
-    def _kv_settings(self, body) -> KVSettings | None:
-        """kvwise's per-request KV options (kv_policy, kv_ratio, kv_quant, max_kv_tokens, or all of
-        them as one kv_mix), or None."""
-        separate = (body.kv_policy, body.kv_ratio, body.max_kv_tokens, body.kv_quant)
-        if body.kv_mix is not None:
-            if any(option is not None for option in separate):
-                message = f"kv_mix sets the request's KV mix: leave out {SEPARATE_KV_FIELDS}"
-                raise OpenAIError(400, message, param="kv_mix")
-            settings = _mix_settings(body.kv_mix, "kv_mix")
-            self._check_quant_enabled(settings, body.kv_mix, "kv_mix")
-            return settings
-        if all(option is None for option in separate):
-            return None
-        try:
-            settings = KVSettings(
-                body.kv_policy or "snapkv", body.kv_ratio or 0.0, max_kv_tokens=body.max_kv_tokens, quant=body.kv_quant
-            )
-        except ValueError as error:
-            raise OpenAIError(400, str(error), param="kv_quant" if "quant" in str(error) else "kv_policy") from None
-        self._check_quant_enabled(settings, body.kv_quant, "kv_quant")
-        return settings
-
-    def _kv_auto(self, body, kv: KVSettings | None) -> str | None:
-        """The class hint for the adaptive controller, or None when the request's own settings hold
-        (they always win) or the server has no controller."""
-        hint = body.kv_profile
-        if hint is not None:
-            try:
-                check_hint(hint)
-            except ValueError as error:
-                raise OpenAIError(400, str(error), param="kv_profile") from None
-            if self.core.controller is None:
-                raise OpenAIError(400, "kv_profile needs a server started with --kv-policy auto", param="kv_profile")
-        if self.core.controller is None or kv is not None:
-            return None
-        return hint or "auto"
-
-    def _check_quant_enabled(self, settings: KVSettings, asked: str | None, param: str) -> None:
-        allowed = self.settings.kv_quant_options
-        if settings.quant is not None and settings.quant not in allowed:
-            # each quantizer holds a pool of its own: only the server's fixed set may be asked for
-            raise OpenAIError(
-                400,
-                f"the quantizer in {asked!r} is not enabled on this server; choose one of: "
-                + ", ".join(sorted(allowed)),
-                param=param,
-            )
 
     # ---- answers -------------------------------------------------------------------------------
     async def _wait(self, http: Request, requests, events: asyncio.Queue):
@@ -663,32 +591,5 @@ def ignored_fields(body) -> list[str]:
     return [name for name in IGNORED_FIELDS if getattr(body, name) is not None]
 
 
-def kv_usage(requests) -> dict | list | None:
-    """usage.kv: the mix each choice ran with, and why (one entry when they agree); None when no
-    request had KV settings of its own or from the controller."""
-    entries = []
-    for request in sorted(requests, key=lambda r: r.choice):
-        if request.kv_choice is not None:
-            entries.append(request.kv_choice.as_usage())
-        elif request.kv is not None:
-            entries.append({"mix": request.kv.spec, "class": None, "reason": "explicit"})
-        else:
-            entries.append(None)
-    if all(entry is None for entry in entries):
-        return None
-    return entries[0] if all(entry == entries[0] for entry in entries) else entries
-
-
 def _sse(payload: dict) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
-
-
-SEPARATE_KV_FIELDS = "kv_policy, kv_ratio, kv_quant and max_kv_tokens"  # what one mix spec replaces
-
-
-def _mix_settings(spec: str, param: str) -> KVSettings:
-    """KVSettings from a mix spec sent as `param`; a 400 naming the bad component otherwise."""
-    try:
-        return KVSettings.from_mix(spec)
-    except ValueError as error:
-        raise OpenAIError(400, f"{param}: {error}", param=param) from None

@@ -261,7 +261,7 @@ class CheckedFlags:
 def check_flags(args, server_keys) -> CheckedFlags:
     """Check every flag a server (or each of the cluster's replicas) is built from, before
     anything heavy happens, and build the tiers under the prefix cache."""
-    from kvwise.server.app import parse_kv_quant_options
+    from kvwise.server.kv_fields import parse_kv_quant_options
 
     if args.max_queue < 1:
         raise ValueError(f"--max-queue must be >= 1, got {args.max_queue}")

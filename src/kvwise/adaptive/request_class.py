@@ -16,15 +16,23 @@ SHORT_ANSWER_TOKENS = 32  # max_tokens at or below this after a long prompt: a r
 LONG_PROMPT_TOKENS = 1024
 
 
+class UnknownHint(ValueError):
+    """A class hint the controller does not know; `param` names the API field it came in."""
+
+    param = "kv_profile"
+
+
 def check_hint(hint: str | None) -> str | None:
+    """The one check of a class hint, where a request enters the engine (`EngineCore.make_request`)."""
     if hint is not None and hint not in HINTS:
-        raise ValueError(f"unknown kv_profile {hint!r}; choose from: {', '.join(HINTS)}")
+        raise UnknownHint(f"unknown kv_profile {hint!r}; choose from: {', '.join(HINTS)}")
     return hint
 
 
 def classify(prompt_tokens: int, max_tokens: int, hint: str | None = None, compresses_document=False, turns=0) -> str:
-    """The request class: the hint when it names one, else the features' rule above."""
-    if check_hint(hint) not in (None, "auto"):
+    """The request class: the hint (checked when the request was made) when it names one, else
+    the features' rule above."""
+    if hint not in (None, "auto"):
         return hint
     if max_tokens >= LONG_OUTPUT_TOKENS:
         return "long_generation"

@@ -295,8 +295,8 @@ class RequestHandlers:
                     request.choice = prompt_index * params.n + index
                     requests.append(request)
             except ValueError as error:
-                if not isinstance(error, ContextLengthError):
-                    raise OpenAIError(400, str(error)) from None
+                if not isinstance(error, ContextLengthError):  # `param`: the field at fault, when known
+                    raise OpenAIError(400, str(error), param=getattr(error, "param", None)) from None
                 raise OpenAIError(
                     413, str(error), param="messages" if chat else "prompt", code="context_length_exceeded"
                 ) from None

@@ -4,7 +4,6 @@ the quantizers a server enables, and the `usage.kv` an answer reports."""
 
 from __future__ import annotations
 
-from kvwise.adaptive.request_class import check_hint
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.kv.quantizer import make_quantizer, quantizer_names
 from kvwise.server.protocol import OpenAIError
@@ -69,12 +68,8 @@ def compression_settings(body, kv: KVSettings | None, allowed: frozenset[str]) -
 def kv_auto(body, kv: KVSettings | None, has_controller: bool) -> str | None:
     """The class hint for the adaptive controller, or None when the request's own settings hold
     (they always win) or the server has no controller."""
-    hint = body.kv_profile
+    hint = body.kv_profile  # checked with the request, by the engine
     if hint is not None:
-        try:
-            check_hint(hint)
-        except ValueError as error:
-            raise OpenAIError(400, str(error), param="kv_profile") from None
         if not has_controller:
             raise OpenAIError(400, "kv_profile needs a server started with --kv-policy auto", param="kv_profile")
     if not has_controller or kv is not None:

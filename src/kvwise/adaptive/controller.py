@@ -214,7 +214,8 @@ class AdaptiveController:
             request.kv_choice = Choice(entry.mix, self._klass(request), "pressure", entry.quality[self._klass(request)])
             failed = kv.quantize_settled([request])
             if failed:  # that request keeps its blocks as they were
-                request.kv, request.kv_choice = None, previous
+                kv.assign_settings(request, None)
+                request.kv_choice = previous
                 continue
             self.decisions.record("quantize", reason, request.request_id, before - kv.request_bytes(request), entry.mix)
             return True

@@ -71,6 +71,7 @@ class AdaptiveController:
         self.level = 0  # rungs in force (0: none)
         self.engine = None
         self._steps_since_move = 0
+        self._rung_actions = (self._quantize, self._compress, self._spill)  # in the order of RUNGS
         self._pending: dict[Request, tuple[str, int]] = {}  # request -> (action, bytes before)
         self._seen = {"swapped": 0, "recomputed": 0, "held": 0}  # the engine's counts when last read
         self._steps = 0
@@ -173,9 +174,8 @@ class AdaptiveController:
         if self.level == 0 or usage < self.config.low_watermark:
             return
         reason = "held back" if recently else "holding"
-        actions = {"quantize": self._quantize, "compress": self._compress, "spill": self._spill}
-        for rung in self.RUNGS[: self.level]:
-            actions[rung](reason)
+        for act in self._rung_actions[: self.level]:
+            act(reason)
 
     def pressure(self) -> tuple[float, bool]:
         """(the pool's usage in [0, 1], whether memory held a request back since the last step:
@@ -269,8 +269,6 @@ class AdaptiveController:
 
     def _spill(self, reason: str) -> bool:
         kv = self.engine.kv
-        if not kv.prefix_caching:
-            return False
         evicted = kv.spill_cold_prefixes(max(1, kv.num_blocks // 16))
         if evicted:
             where = "tiers" if kv.has_tiers else "dropped"

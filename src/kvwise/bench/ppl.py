@@ -20,7 +20,8 @@ from tqdm import tqdm
 
 from kvwise.bench.haystack import read_haystack
 from kvwise.bench.hf_peers import backend_available, hf_cache_bytes, make_hf_quantized_cache
-from kvwise.bench.report_files import new_report
+from kvwise.bench.ppl_report import markdown_table, plot_ppl
+from kvwise.bench.report_files import new_report, write_report
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.policies.registry import make_policy
@@ -194,11 +195,7 @@ def run_ppl(config: PplConfig, out_dir: Path, resume: bool = True) -> dict:
     report = new_report(
         "ppl", config, model.device, model_dtype=str(model.dtype).removeprefix("torch."), results=results
     )
-    (out_dir / "ppl.json").write_text(json.dumps(report, indent=1))
-    from kvwise.bench.ppl_report import write_ppl_report
-
-    write_ppl_report(report, out_dir)
-    return report
+    return write_report(out_dir, report, markdown_table, {"ppl.png": plot_ppl})
 
 
 def _key(entry: dict) -> str:

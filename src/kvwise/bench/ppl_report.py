@@ -63,11 +63,6 @@ def family(row: dict) -> str:
     return "kvwise: quantizer" if quantizes else "kvwise: full cache"
 
 
-def write_ppl_report(report: dict, out_dir: Path) -> None:
-    (out_dir / "ppl.md").write_text(markdown_table(report))
-    plot_ppl(report, out_dir / "ppl.png")
-
-
 def plot_ppl(report: dict, path: Path) -> None:
     """Perplexity ratio against KV bytes, one colour per family, the ratio axis capped so the points
     that matter (near 1) stay apart; points beyond the cap are drawn on the edge with their value."""

@@ -318,7 +318,7 @@ class KVCacheManager:
         stats = None
         if names:
             stats = [
-                {name: state[f"stats.{name}"][layer].to(self._storage.keys[0].device) for name in names}
+                {name: state[f"stats.{name}"][layer].to(self.device) for name in names}
                 for layer in range(len(region.counts))
             ]
         entry = CompressedEntry(tokens, int(state["reused"][0]), region, stats)
@@ -329,7 +329,7 @@ class KVCacheManager:
 
     def _region_from_state(self, request: Request, state: dict) -> HeadRegion | None:
         """Pages for a document read from a tier: device pages, or quantized pages restored bit for bit."""
-        device = self._storage.keys[0].device
+        device = self.device
         counts = state["counts"].tolist()
         positions = [
             layer.to(device)[:, : max(layer_counts, default=0)]
@@ -614,7 +614,7 @@ class KVCacheManager:
 
     def _private(self, request: Request, end: int) -> PrivateKV:
         """The request's private KV once the tokens before position `end` are computed."""
-        device = self._storage.keys[0].device
+        device = self.device
         indices = torch.arange(request.reused, end - request.kv_offset, device=device)
         return PrivateKV(
             request.region,
@@ -732,7 +732,7 @@ class KVCacheManager:
         """The region whose pages are `ids` of `store`, layer by layer and head by head, and whose
         rows kept in the model's dtype are `sinks` (keys, values: [layer] -> [rows, head_dim])."""
         pages, page_ids, rows, start = [], [], [], 0
-        device = self._storage.keys[0].device
+        device = self.device
         per_page, sink_counts = store.page_tokens, self._sink_counts(counts, store.form)
         for layer_counts, layer_sinks in zip(counts, sink_counts):
             per_head, first = [], start

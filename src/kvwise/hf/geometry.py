@@ -67,7 +67,7 @@ class KVGeometry:
 
 
 def kv_geometry(model) -> KVGeometry:
-    """The model's KV shapes, probed once and remembered on the model (the dtype is read each time)."""
+    """The model's KV shapes, probed once per model object and remembered (the dtype is read each time)."""
     config = model.config.get_text_config(decoder=True)
     seen = _ATTENTION_SHAPES.get(model)
     if seen is None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from kvwise import LLM, KVSettings, SamplingParams
+from kvwise import LLM, Mix, SamplingParams
 
 DOCUMENT = (
     "The harbour office keeps three ledgers. The blue ledger lists the ferries and their crews. "
@@ -38,7 +38,7 @@ def main() -> None:
         head = text[: text.index(DOCUMENT) + len(DOCUMENT)]
         prompts.append(tokenizer(text, add_special_tokens=False).input_ids)
         upto.append(len(tokenizer(head, add_special_tokens=False).input_ids))  # where the document ends
-    settings = KVSettings(args.policy, ratio=args.ratio, quant=args.quant)
+    settings = Mix(args.policy, ratio=args.ratio, quant=args.quant)
     params = SamplingParams(temperature=0, max_tokens=24)
     first = llm.generate(prompts[:1], params, kv=settings, compress_upto=upto[:1], use_tqdm=False)
     rest = llm.generate(prompts[1:], params, kv=settings, compress_upto=upto[1:], use_tqdm=False)

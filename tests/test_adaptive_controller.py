@@ -12,8 +12,8 @@ from kvwise.adaptive.request_class import check_hint, classify
 from kvwise.engine.block_table import Place
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
-from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
+from kvwise.policies.mix import Mix
 from tests.conftest import random_ids
 
 pytestmark = pytest.mark.timeout(300)
@@ -104,7 +104,7 @@ def test_with_memory_to_spare_auto_keeps_everything(llama):
 
 def test_explicit_settings_win_and_pinned_classes_hold(llama):
     core, controller = _engine(llama, num_blocks=24, class_mix={"chat": "snapkv@0.5"})
-    explicit = _request(core, 60, 4, kv=KVSettings("streaming_llm", 0.5))
+    explicit = _request(core, 60, 4, kv=Mix("streaming_llm", 0.5))
     pinned = _request(core, 60, 4, hint="chat", seed=2)
     _run(core, [explicit, pinned])
     assert explicit.kv_choice is None and explicit.kv.policy == "streaming_llm"
@@ -169,7 +169,7 @@ def test_compress_rung_caps_an_unquantized_request(llama):
     first, second = _request(core, 64, 40, "retrieval", seed=1), _request(core, 64, 40, "retrieval", seed=2)
     _staggered(core, first, second)
     assert controller.decisions.total("compress") >= 1
-    assert first.kv is not None and first.kv.max_kv_tokens is not None and first.kv.quant is None
+    assert first.kv is not None and first.kv.max_tokens is not None and first.kv.quant is None
     assert first.kept_score is not None and 0 <= first.kept_score <= 1
     assert controller.decisions.bytes_freed["compress"] > 0
     assert not any(Place.QUANTIZED in r.blocks.places for r in (first, second))
@@ -194,7 +194,7 @@ def test_llm_auto_uses_the_profile_and_a_budget(llama, tmp_path):
     prompts = [random_ids(1, 60, seed=s)[0].tolist() for s in range(2)]
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert all(output.requests[0].kv_choice.klass == "chat" for output in outputs)
-    explicit = llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False, kv=KVSettings("snapkv", 0.5))
+    explicit = llm.generate(prompts[:1], SamplingParams(max_tokens=2), use_tqdm=False, kv=Mix("snapkv", 0.5))
     assert explicit[0].requests[0].kv_choice is None  # its own settings win
     with pytest.raises(ValueError, match="kv must be None or 'auto'"):
         LLM(llama, kv="snapkv")
@@ -209,7 +209,7 @@ def test_a_kvzip_pass_that_cannot_borrow_now_waits_instead_of_failing(llama):
     core.add(holder)
     for _ in range(3):
         core.step()
-    compressing = core.make_request(random_ids(1, 40, seed=2)[0].tolist(), params, kv=KVSettings("kvzip", 0.5))
+    compressing = core.make_request(random_ids(1, 40, seed=2)[0].tolist(), params, kv=Mix("kvzip", 0.5))
     _run(core, [compressing])  # its pass needs ~20 blocks more than its own: more than the pool has free
     assert compressing.error is None and len(compressing.output) == 30 and holder.error is None
     assert compressing.preemptions >= 1  # it went back to the queue and was computed again

@@ -20,7 +20,7 @@ def test_ppl_bench_writes_every_field(smollm, tmp_path, monkeypatch):
         quants=["kivi4", "int8"],
         policies=["h2o"],
         budgets=[80],
-        mixes=["h2o:80:kivi2"],
+        mixes=["h2o@max=80+kivi2"],
         repeats=1,
         peers=["quanto"],
     )

@@ -9,7 +9,7 @@ import torch
 
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
-from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.kv_settings import resolve
 from kvwise.engine.sampling import SamplingParams
 from tests.conftest import random_ids
 
@@ -26,7 +26,7 @@ def _engine(model, num_blocks=256):
 
 def _ask(core, question, mix="kvzip@0.75", tenant="default", document=DOCUMENT):
     request = core.make_request(
-        document + question, PARAMS, tenant=tenant, kv=KVSettings.from_mix(mix), compress_upto=len(document)
+        document + question, PARAMS, tenant=tenant, kv=resolve(mix), compress_upto=len(document)
     )
     core.add(request)
     while core.has_work:

@@ -12,8 +12,8 @@ from kvwise.engine.block_table import Place
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import ContextLengthError, EngineCore
 from kvwise.engine.detokenizer import IncrementalText
-from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
+from kvwise.policies.mix import Mix
 
 
 def assert_only_prefix_cache_holds_blocks(core: EngineCore) -> None:
@@ -145,8 +145,7 @@ def test_a_per_request_policy_changes_only_that_request(llama):
     _run(plain_core, plain)
     core = engine()
     mixed = [
-        core.make_request(p, params, kv=KVSettings("snapkv", ratio=0.5) if i == 1 else None)
-        for i, p in enumerate(prompts)
+        core.make_request(p, params, kv=Mix("snapkv", ratio=0.5) if i == 1 else None) for i, p in enumerate(prompts)
     ]
     squeezed = mixed[1]
     _run(core, mixed, until=lambda: squeezed.computed >= len(squeezed.prompt))
@@ -172,7 +171,7 @@ def test_shared_prefix_blocks_stay_intact_and_max_kv_tokens_caps_decoding(llama)
     capped = core.make_request(
         prefix + list(range(40, 70)),
         SamplingParams(max_tokens=40, temperature=0),
-        kv=KVSettings("streaming_llm", ratio=0.5, max_kv_tokens=8),
+        kv=Mix("streaming_llm", ratio=0.5, max_tokens=8),
     )
     core.add(capped)
     most_private = 0
@@ -190,13 +189,13 @@ def test_shared_prefix_blocks_stay_intact_and_max_kv_tokens_caps_decoding(llama)
 
 def test_kv_settings_errors():
     with pytest.raises(ValueError, match="unknown policy"):
-        KVSettings("nope", ratio=0.5)
-    with pytest.raises(ValueError, match=r"kv_ratio must be in \[0, 1\)"):
-        KVSettings("snapkv", ratio=1.0)
+        Mix("nope", ratio=0.5)
+    with pytest.raises(ValueError, match=r"ratio must be in \[0, 1\)"):
+        Mix("snapkv", ratio=1.0)
     with pytest.raises(ValueError, match="max_kv_tokens must be a positive integer"):
-        KVSettings("h2o", max_kv_tokens=0)
+        Mix("h2o", max_tokens=0)
     with pytest.raises(ValueError, match="unknown quantizer|quant"):
-        KVSettings("kvzip", ratio=0.5, quant="kivi3")
+        Mix("kvzip", ratio=0.5, quant="kivi3")
 
 
 @pytest.mark.parametrize("swap_space_bytes", [0, 1 << 24])
@@ -238,7 +237,7 @@ def test_a_per_request_quantizer_stores_private_blocks_quantized(llama):
     plain = [plain_core.make_request(p, params) for p in prompts]
     _run(plain_core, plain)
     core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=128))
-    kv = KVSettings(quant="kivi4:residual_length=8:group_size=4")  # 2 residual blocks of 4 tokens
+    kv = Mix(quant="kivi4:residual_length=8:group_size=4")  # 2 residual blocks of 4 tokens
     quantized, other = core.make_request(prompts[0], params, kv=kv), core.make_request(prompts[1], params)
     for request in (quantized, other):
         core.add(request)

@@ -15,9 +15,10 @@ import torch
 from kvwise.engine.block_table import Place
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
-from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.kv_settings import resolve
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import KVWiseCache
+from kvwise.policies.mix import Mix
 from kvwise.policies.registry import policy_classes
 from kvwise.policies.selection import head_budgets, kept_per_head
 from tests.conftest import random_ids
@@ -61,7 +62,7 @@ def test_every_policy_holds_its_budget_frees_blocks_and_matches_the_library(llam
     request = core.make_request(
         ids[0].tolist(),
         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
-        kv=KVSettings(policy, ratio=RATIO),
+        kv=Mix(policy, ratio=RATIO),
         compress_upto=PROMPT - 1,
     )
     seen = {}
@@ -80,7 +81,7 @@ def test_every_policy_holds_its_budget_frees_blocks_and_matches_the_library(llam
     _run(core, [request], after_compaction=check)
     private = PROMPT - 1
     counts = torch.tensor(seen["counts"])  # [layers, kv_heads]
-    scorer = KVSettings(policy, ratio=RATIO).scorer
+    scorer = resolve(Mix(policy, ratio=RATIO)).scorer
     per_head = kept_per_head(private, RATIO)
     if scorer.budget_scope == "global":
         assert int(counts.sum()) == per_head * layers * heads
@@ -110,7 +111,7 @@ def test_a_cap_during_decoding_keeps_each_head_at_most_the_cap(llama, policy):
     core = _engine(llama, token_budget=64)
     cap = 12
     request = core.make_request(
-        ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), kv=KVSettings(policy, max_kv_tokens=cap)
+        ids, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True), kv=Mix(policy, max_tokens=cap)
     )
     core.add(request)
     most = 0
@@ -136,7 +137,7 @@ def test_evicted_requests_beside_plain_ones_leave_the_plain_outputs_alone(llama)
     plain = [plain_core.make_request(p, params) for p in prompts]
     _run(plain_core, plain)
     core = _engine(llama, token_budget=48)
-    settings = [None, KVSettings("kvzip", ratio=0.7), None, KVSettings("adakv", ratio=0.5)]
+    settings = [None, Mix("kvzip", ratio=0.7), None, Mix("adakv", ratio=0.5)]
     mixed = [core.make_request(p, params, kv=kv) for p, kv in zip(prompts, settings)]
     _run(core, mixed)
     assert [r.output for r in mixed[::2]] == [r.output for r in plain[::2]]
@@ -149,7 +150,7 @@ def test_freed_pages_and_blocks_are_zeroed(llama):
     request = core.make_request(
         random_ids(1, 50, seed=5)[0].tolist(),
         SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
-        kv=KVSettings("adakv", ratio=0.8),
+        kv=Mix("adakv", ratio=0.8),
     )
     _run(core, [request])
     assert core.kv.stats().used_blocks == 0
@@ -167,7 +168,7 @@ def test_every_policy_composes_with_every_quantizer(llama, policy, quant):
     than the same tokens in the model's dtype (outputs against the library: test_mix_parity)."""
     ids = random_ids(1, 200, seed=11)[0].tolist()
     core = _engine(llama, token_budget=64)
-    settings = KVSettings(policy, ratio=0.5, max_kv_tokens=24 if policy in ("h2o", "snapkv") else None, quant=quant)
+    settings = Mix(policy, ratio=0.5, max_tokens=24 if policy in ("h2o", "snapkv") else None, quant=quant)
     request = core.make_request(ids, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), kv=settings)
     core.add(request)
     quantized = []
@@ -195,7 +196,7 @@ def test_sliding_window_models_keep_their_windows_and_match_the_library(gemma2, 
     request = core.make_request(
         ids[0].tolist(),
         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
-        kv=KVSettings(policy, ratio=RATIO),
+        kv=Mix(policy, ratio=RATIO),
         compress_upto=PROMPT - 1,
     )
     counts = []
@@ -219,7 +220,7 @@ def test_kvzip_s_pass_in_chunks_beside_other_work_matches_the_library(llama):
     request = core.make_request(
         ids[0].tolist(),
         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
-        kv=KVSettings("kvzip", ratio=RATIO),
+        kv=Mix("kvzip", ratio=RATIO),
         compress_upto=PROMPT - 1,
     )
     passes = []
@@ -245,7 +246,7 @@ def test_on_smollm_the_engine_answers_as_the_library_does(smollm, policy):
     request = core.make_request(
         ids[0].tolist(),
         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
-        kv=KVSettings(policy, ratio=0.75),
+        kv=Mix(policy, ratio=0.75),
         compress_upto=ids.shape[1] - 1,
     )
     _run(core, [request])
@@ -265,7 +266,7 @@ def test_quest_reads_only_its_top_pages_and_matches_the_library(llama):
     request = core.make_request(
         ids[0].tolist(),
         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
-        kv=KVSettings("quest", ratio=0.5),
+        kv=Mix("quest", ratio=0.5),
     )
     _run(core, [request])
     cache = KVWiseCache(llama, "quest", 0.5)
@@ -283,7 +284,7 @@ def test_quest_composes_with_every_quantizer(llama, quant):
     request = core.make_request(
         random_ids(1, 120, seed=14)[0].tolist(),
         SamplingParams(temperature=0, max_tokens=12, ignore_eos=True),
-        kv=KVSettings(
+        kv=Mix(
             "quest", ratio=0.5, quant=f"{quant}:residual_length=16:group_size=16" if quant.startswith("kivi") else quant
         ),
     )

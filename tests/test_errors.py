@@ -45,7 +45,7 @@ def test_bad_max_kv_tokens(llama):
         (["bench", "niah", "--ratios", "0.5,2"], "must be in [0, 1)"),
         (["bench", "niah", "--quant", "kivi3"], "unknown quantizer 'kivi3'"),
         (["generate", "--prompt", "x", "--quant", "int4"], "unknown quantizer 'int4'"),
-        (["bench", "ppl", "--mixes", "h2o:many:kivi4"], "a mix is policy:budget:quant"),
+        (["bench", "ppl", "--mixes", "h2o@max=many+kivi4"], "max= takes a whole number"),
         (["bench", "ppl", "--peers", "bitsandbytes"], "unknown peer 'bitsandbytes'"),
         (["bench", "ppl", "--quants", "kivi8"], "unknown quantizer 'kivi8'"),
         (["bench", "ppl", "--budgets", "0"], "budgets must be positive"),

@@ -9,12 +9,12 @@ import torch
 from kvwise.adaptive.surrogate_training import SurrogateConfig, fit_layer, fit_surrogate
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
-from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.attention_inputs import attention_modules
 from kvwise.hf.cache import KVWiseCache
 from kvwise.policies.base import PROTECTED
 from kvwise.policies.kvzap import KVzapPolicy
+from kvwise.policies.mix import Mix
 from kvwise.policies.score_surrogate import ScoreSurrogate, find_surrogate
 from kvwise.policies.selection import kept_per_head, select_across_layers
 from tests.conftest import random_ids
@@ -82,7 +82,7 @@ def test_kvzap_in_the_engine_with_a_chunked_prefill_keeps_what_the_library_keeps
     config = CacheConfig(block_size=4, num_blocks=256, token_budget=16, prefix_caching=False)
     core = EngineCore(llama, None, config)
     options = {"surrogate_path": str(surrogate_file), "recent_window": window}
-    settings = KVSettings("kvzap", ratio=ratio, options=options)
+    settings = Mix("kvzap", ratio=ratio, options=options)
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
     request = core.make_request(ids[0].tolist(), params, kv=settings, compress_upto=prompt - 1)
     seen = {}
@@ -106,7 +106,7 @@ def test_kvzap_without_a_surrogate_names_the_command_that_trains_one(llama, tmp_
         KVWiseCache(llama, "kvzap", 0.5)
     core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=64, prefix_caching=False))
     with pytest.raises(ValueError, match="kvwise calibrate"):
-        core.make_request([5, 6, 7], SamplingParams(max_tokens=1), kv=KVSettings("kvzap", ratio=0.5))
+        core.make_request([5, 6, 7], SamplingParams(max_tokens=1), kv=Mix("kvzap", ratio=0.5))
 
 
 def test_a_surrogate_file_round_trips_and_bad_files_are_named(llama, gemma2, surrogate_file, tmp_path):

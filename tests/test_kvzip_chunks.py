@@ -5,9 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.kv_settings import resolve
 from kvwise.hf.cache import KVWiseCache
 from kvwise.policies.kvzip import KVzipPolicy
+from kvwise.policies.mix import Mix
 from tests.conftest import random_ids
 
 pytestmark = pytest.mark.timeout(120)
@@ -44,4 +45,4 @@ def test_chunked_passes_score_the_whole_context_and_keep_the_budget(llama):
 
 def test_the_engine_refuses_chunked_reconstruction_by_name():
     with pytest.raises(ValueError, match="pass_chunk"):
-        KVSettings("kvzip", ratio=0.5, options={"pass_chunk": 512})
+        resolve(Mix("kvzip", ratio=0.5, options={"pass_chunk": 512}))

@@ -8,7 +8,7 @@ import torch
 from kvwise.adaptive.lowrank_training import fit_basis_on
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
-from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.kv_settings import resolve
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import KVWiseCache
 from kvwise.kv.lowrank_basis import LowRankBasis, find_basis, user_basis_path
@@ -143,7 +143,7 @@ def test_the_engine_stores_lowrank_blocks_and_pages(llama, home, plain_mix, mix)
     outputs, cores = [], []
     for spelled in (plain_mix, mix):
         core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=256, prefix_caching=False))
-        request = core.make_request(ids, params, kv=KVSettings.from_mix(spelled) if spelled else None)
+        request = core.make_request(ids, params, kv=resolve(spelled) if spelled else None)
         core.add(request)
         while core.has_work:
             core.step()

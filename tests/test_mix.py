@@ -55,3 +55,39 @@ def test_bad_mixes_name_the_component_at_fault(text, message):
     with pytest.raises(ValueError, match=None) as error:
         parse_mix(text)
     assert message in str(error.value)
+
+
+def test_a_ratio_and_a_cap_share_one_spelling_in_text_and_in_python():
+    both = parse_mix("h2o@0.5,max=256+kivi4")
+    assert (both.ratio, both.max_tokens) == (0.5, 256) and both.spec.startswith("h2o@0.5,max=256+kivi4")
+    assert Mix("h2o", 0.5, 256, "kivi4") == both and parse_mix(both.spec) == both
+    assert Mix("snapkv", options={"window_size": 8}, ratio=0.5).spec == "snapkv:window_size=8@0.5"
+
+
+@pytest.mark.parametrize(
+    ("fields", "message"),
+    [
+        ({"policy": "snapk", "ratio": 0.5}, "unknown policy 'snapk'"),
+        ({"policy": "full", "ratio": 0.5}, "needs an evicting policy"),
+        ({"policy": "snapkv", "ratio": 1.0}, "ratio must be in [0, 1)"),
+        ({"policy": "h2o", "max_tokens": 0}, "max_kv_tokens must be a positive integer"),
+        ({"policy": "snapkv", "ratio": 0.5, "options": {"windw": 3}}, "windw"),
+        ({"quant": "kivi5"}, "kivi5"),
+    ],
+)
+def test_a_mix_made_in_python_is_checked_as_text_is(fields, message):
+    with pytest.raises(ValueError) as error:
+        Mix(**fields)
+    assert message in str(error.value)
+
+
+def test_resolve_builds_the_policy_and_quantizer_once_and_keeps_full_explicit():
+    from kvwise.engine.kv_settings import KVSettings, resolve
+
+    settings = resolve("kvzip@0.9+kivi4")
+    assert isinstance(settings, KVSettings) and settings.scorer.name == "kvzip"
+    assert settings.quantizer.spec == settings.quant == settings.mix.quant and resolve(settings) is settings
+    full = resolve("full")  # asked for: it keeps everything, and still wins over an adaptive controller
+    assert full is not None and not full.active and resolve(None) is None
+    with pytest.raises(ValueError, match="pass_chunk"):  # the engine's own check, at its edge
+        resolve("kvzip:pass_chunk=128@0.5")

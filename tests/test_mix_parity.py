@@ -22,13 +22,13 @@ import torch
 
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
-from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import KVWiseCache
 from kvwise.hf.layer import CompressingLayer
 from kvwise.kv.lowrank_basis import user_basis_path
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.kv.stored_form import StoredForm
+from kvwise.policies.mix import Mix
 from kvwise.policies.registry import policy_classes
 from kvwise.util.fingerprint import weights_fingerprint
 from tests.conftest import TINY_MODELS, random_ids
@@ -81,7 +81,7 @@ def _engine(model, ids, upto, policy, quant):
     request = core.make_request(
         ids[0].tolist(),
         SamplingParams(temperature=0, max_tokens=NEW_TOKENS, ignore_eos=True),
-        kv=KVSettings(policy, ratio=RATIO, quant=quant),
+        kv=Mix(policy, ratio=RATIO, quant=quant),
         compress_upto=upto,
     )
     core.add(request)

@@ -16,13 +16,13 @@ pytestmark = pytest.mark.timeout(300)
 
 def test_both_paths_run_every_cell_and_the_engine_gets_policy_options(tmp_path, monkeypatch):
     seen = []
-    settings = niah_engine.KVSettings
+    settings = niah_engine.Mix
 
     def recording(*args, **kwargs):
-        seen.append(kwargs.get("options"))
+        seen.append(dict(kwargs.get("options", ())))
         return settings(*args, **kwargs)
 
-    monkeypatch.setattr(niah_engine, "KVSettings", recording)
+    monkeypatch.setattr(niah_engine, "Mix", recording)
     config = NiahConfig(
         model=str(save_tiny_llama(tmp_path / "model")),
         policies=["full", "snapkv:window_size=8"],

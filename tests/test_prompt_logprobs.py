@@ -11,9 +11,9 @@ import torch
 
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
-from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
 from kvwise.models import load_model
+from kvwise.policies.mix import Mix
 from kvwise.server.app import ServerSettings, create_app
 from tests.conftest import TINY_MODELS, random_ids
 from tests.inprocess_server import InProcessServer
@@ -64,7 +64,7 @@ def test_a_continuation_is_scored_under_the_compressed_quantized_context():
     model = TINY_MODELS["llama"]()
     ids = random_ids(1, 80, seed=4)
     core = EngineCore(model, None, CacheConfig(block_size=4, num_blocks=256, prefix_caching=False))
-    settings = KVSettings("snapkv", ratio=0.7, quant="kivi2")
+    settings = Mix("snapkv", ratio=0.7, quant="kivi2")
     scored = _score(core, ids, kv=settings, compress_upto=60)
     expected = _own_forward(model, ids)
     got = torch.tensor([next(iter(entry.values())) for entry in scored.prompt_logprobs[1:]])
@@ -82,9 +82,9 @@ def test_a_continuation_is_scored_by_forced_token_decoding_as_generation_read_it
     prompt = random_ids(1, 60, seed=5)[0].tolist()
     core = EngineCore(model, None, CacheConfig(block_size=4, num_blocks=256, prefix_caching=False))
     if quant:
-        settings = KVSettings("snapkv", ratio=0.5, quant=quant)
+        settings = Mix("snapkv", ratio=0.5, quant=quant)
     else:
-        settings = KVSettings("streaming_llm", ratio=0.5, max_kv_tokens=40)
+        settings = Mix("streaming_llm", ratio=0.5, max_tokens=40)
     generated = core.make_request(prompt, SamplingParams(temperature=0, max_tokens=48, logprobs=0), kv=settings)
     core.add(generated)
     while core.has_work:

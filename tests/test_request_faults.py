@@ -9,9 +9,9 @@ import torch
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
 from kvwise.engine.detokenizer import IncrementalText
-from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams, sample
 from kvwise.kv.quantizer import make_quantizer
+from kvwise.policies.mix import Mix
 from tests.conftest import random_ids
 from tests.test_engine_core import _CharTokenizer
 
@@ -39,14 +39,14 @@ def test_stop_strings_are_bounded():
 
 def test_quantizer_spellings_reduce_to_one_canonical_spec():
     spellings = ["kivi4", "KIVI4", "kivi4:sink_tokens=1", "kivi4:group_size=32:residual_length=128", "kivi:bits=4"]
-    assert len({KVSettings(quant=spelling).quant for spelling in spellings}) == 1
+    assert len({Mix(quant=spelling).quant for spelling in spellings}) == 1
     spec = make_quantizer("kivi2:group_size=16:residual_length=64").spec
     assert make_quantizer(spec).spec == spec and spec != make_quantizer("kivi2").spec
 
 
 def test_a_quantizer_that_does_not_fit_the_model_is_refused_before_the_step(llama):
     core = EngineCore(llama, None, CacheConfig(block_size=4, num_blocks=32))
-    settings = KVSettings(quant="kivi4:value_group_size=7")
+    settings = Mix(quant="kivi4:value_group_size=7")
     with pytest.raises(ValueError, match="channel groups of 7 do not fit head_dim 16"):
         core.make_request([5, 6, 7], SamplingParams(max_tokens=2), kv=settings)
 

@@ -38,7 +38,7 @@ from kvwise.adaptive.profile import CLASSES, MixProfile, Profile, Provenance, us
 from kvwise.adaptive.surrogate_training import SurrogateConfig, train_surrogate
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
-from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.kv_settings import resolve
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.hf.generation import greedy_continue
@@ -228,8 +228,8 @@ def measure_in_engine(model, tokenizer, mix: str, probes: list[tuple[int, Probe]
     longest = {index: probe.prompt_ids.shape[1] + _continuation_length(probe) for index, probe in probes}
     blocks = sum(3 * -(-(longest[index] + AGREEMENT_TOKENS) // block) for index, _ in probes) + 16
     core = EngineCore(model, tokenizer, CacheConfig(num_blocks=blocks, prefix_caching=False), [])
-    settings = KVSettings.from_mix(mix) if parse_mix(mix).spec != "full" else None
-    compresses = settings is not None and ((settings.ratio > 0 and settings.evicts) or settings.quant is not None)
+    settings = resolve(mix)
+    compresses = settings is not None and ((settings.ratio > 0 and settings.evicts) or settings.quantizer is not None)
     requests = []
     for _, probe in probes:
         prompt = probe.prompt_ids[0].tolist()
@@ -294,15 +294,7 @@ def measure_probe(model, tokenizer, mix: Mix, probe: Probe) -> dict:
     device = model.device
     prompt = probe.prompt_ids.to(device)
     started = time.perf_counter()
-    cache = KVWiseCache(
-        model,
-        mix.policy,
-        compression_ratio=mix.ratio,
-        max_kv_tokens=mix.max_tokens,
-        tokenizer=tokenizer,
-        quant=mix.quant,
-        **dict(mix.policy_options),
-    )
+    cache = KVWiseCache.for_mix(model, mix, tokenizer)
     cache.compress_context(prompt[:, :-1])  # the engine compresses once the prompt is computed
     row = {"bytes": cache.nbytes(), "full_bytes": full_kv_bytes(model, prompt.shape[1] - 1, model.dtype.itemsize)}
     if probe.klass == "retrieval":

@@ -34,9 +34,9 @@ from kvwise.adaptive.decisions import Choice, Decisions
 from kvwise.adaptive.profile import MixProfile, Profile, check_class
 from kvwise.adaptive.request_class import check_hint, classify
 from kvwise.engine.block_table import Place
-from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.kv_settings import resolve
 from kvwise.engine.request import Request
-from kvwise.policies.mix import parse_mix
+from kvwise.policies.mix import Mix, parse_mix
 from kvwise.policies.registry import make_policy
 
 
@@ -96,7 +96,7 @@ class AdaptiveController:
         choice = self.choose(request)
         request.kv_choice = choice
         if choice.mix != "full":
-            self.engine.kv.assign_settings(request, KVSettings.from_mix(choice.mix))
+            self.engine.kv.assign_settings(request, resolve(choice.mix))
         self.decisions.record_choice(request.request_id, choice)
 
     def choose(self, request) -> Choice:
@@ -210,7 +210,7 @@ class AdaptiveController:
                 continue
             kv = self.engine.kv
             before, previous = kv.request_bytes(request), request.kv_choice
-            kv.assign_settings(request, KVSettings.from_mix(entry.mix))
+            kv.assign_settings(request, resolve(entry.mix))
             request.kv_choice = Choice(entry.mix, self._klass(request), "pressure", entry.quality[self._klass(request)])
             failed = kv.quantize_settled([request])
             if failed:  # that request keeps its blocks as they were
@@ -251,9 +251,9 @@ class AdaptiveController:
                 continue
             mix = parse_mix(entry.mix)
             cap = max(kv.block_size, round((1 - mix.ratio) * private))
-            settings = KVSettings(mix.policy, 0.0, cap, None, dict(mix.policy_options))
-            kv.assign_settings(request, settings)
-            request.kv_choice = Choice(f"{mix.policy}@max={cap}", klass, "pressure", entry.quality[klass])
+            capped = Mix(mix.policy, max_tokens=cap, options=mix.options)
+            kv.assign_settings(request, resolve(capped))
+            request.kv_choice = Choice(capped.spec, klass, "pressure", entry.quality[klass])
             self._pending[request] = ("compress", kv.request_bytes(request))
             self.decisions.record("compress", reason, request.request_id, 0, f"cap={cap} ({entry.mix})")
             return True

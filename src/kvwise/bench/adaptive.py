@@ -207,7 +207,7 @@ class _Bench:
             mix = system
         elif system == "static":
             mix = STATIC_TABLE.get(request.klass) or self.static_retrieval()
-        kv = KVSettings.from_mix(mix) if mix not in (None, "full") else None
+        kv = mix if mix != "full" else None
         return core.make_request(request.prompt, params, kv=kv, kv_auto="auto" if system == "auto" else None)
 
     def static_retrieval(self) -> str:
@@ -291,17 +291,12 @@ class _Bench:
 
     def _nll(self, index: int, settings: str | None, reply: list[int]) -> float:
         """Mean negative log-likelihood of `reply` after the request's prompt, under `settings`
-        (a KVSettings spec, None: full), through the library cache."""
+        (a mix spec, None: full), through the library cache."""
         key = (index, settings or "full")
         if key not in self._replays:
             from kvwise.hf.cache import KVWiseCache
 
-            kv = KVSettings.from_mix(settings.split("|")[0]) if settings else None
-            kwargs = {}
-            if kv is not None:
-                cap = int(settings.split("|max=")[1]) if "|max=" in settings else kv.max_kv_tokens
-                kwargs = dict(compression_ratio=kv.ratio, max_kv_tokens=cap, quant=kv.quant, **kv.options)
-            cache = KVWiseCache(self.model, kv.policy if kv is not None else "full", tokenizer=self.tokenizer, **kwargs)
+            cache = KVWiseCache.for_mix(self.model, settings or "full", self.tokenizer)
             prompt = torch.tensor([self.requests[index].prompt], device=self.model.device)
             answer = torch.tensor([reply], device=self.model.device)
             cache.compress_context(prompt[:, :-1])

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import re
 from pathlib import Path
 
 
@@ -34,12 +35,12 @@ def names(text: str) -> list[str]:
 
 
 def specs(text: str) -> list[str]:
-    """A comma list of policies or mixes, where a `key=value` part continues the one before it:
-    `full,kvzip:recent_window=64,pool_kernel=3+kivi4` is two specs."""
+    """A comma list of policies or mixes, where a part that starts `key=value` continues the one
+    before it: `full,kvzip:recent_window=64,pool_kernel=3+kivi4` and `h2o@0.5,max=256+kivi4,full`
+    are two specs each."""
     out: list[str] = []
     for part in names(text):
-        first = part.split("+", 1)[0]
-        if out and "=" in first and ":" not in first:
+        if out and re.match(r"\w+=", part):
             out[-1] += "," + part
         else:
             out.append(part)
@@ -125,7 +126,9 @@ def add_ppl_parser(workloads) -> None:
     ppl.add_argument("--quants", type=names, default=None, help="kvwise quantizers (default int8,fp8,kivi4,kivi2)")
     ppl.add_argument("--policies", type=names, default=None, help="policies run under each --budgets decode budget")
     ppl.add_argument("--budgets", type=ints, default=None, help="decode budgets in tokens per head (256,512,1024)")
-    ppl.add_argument("--mixes", type=names, default=None, help="evict+quantize mixes as policy:budget:quant")
+    ppl.add_argument(
+        "--mixes", type=specs, default=None, help="cap-and-quantize mixes such as h2o@max=1024+kivi4 (comma list)"
+    )
     ppl.add_argument("--peers", type=names, default=None, help="transformers QuantizedCache backends: quanto,hqq")
     ppl.add_argument("--dtype", default=None, help="model dtype (default bfloat16, what serving uses)")
     ppl.add_argument("--repeats", type=int, default=None, help="passes per system, fastest kept (default 2)")

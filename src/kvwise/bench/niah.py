@@ -135,7 +135,7 @@ def policy_options(spec: str) -> tuple[str, tuple]:
     mix = budget_mix(spec)
     if mix.quant is not None:
         raise ValueError(f"policy {spec!r} names a quantizer: give it with --quant, or as a mix with --budget-bytes")
-    return mix.policy, mix.policy_options
+    return mix.policy, mix.options
 
 
 def run_trial(
@@ -189,7 +189,7 @@ def _cell_settings(config: NiahConfig, runner, sizer: ByteSizer, prompt, name: s
         solved = sizer.solve(mix, prompt.context_ids.shape[1], budget, runner.page_tokens(mix.quant))
         if solved.ratio is None:
             return (policy, None, quant, options), solved.note
-        policy, ratio, quant, options = mix.policy, round(solved.ratio, 6), mix.quant, mix.policy_options
+        policy, ratio, quant, options = mix.policy, round(solved.ratio, 6), mix.quant, mix.options
     return (policy, ratio, quant, options), runner.refuses(policy, ratio, quant, options)
 
 

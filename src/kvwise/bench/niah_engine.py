@@ -12,12 +12,13 @@ from __future__ import annotations
 import time
 
 from kvwise.engine.config import CacheConfig
-from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.kv_settings import resolve
 from kvwise.engine.llm import LLM
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import full_kv_bytes
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.kv.stored_form import StoredForm
+from kvwise.policies.mix import Mix
 from kvwise.policies.registry import make_policy
 
 BLOCK_SIZE = 16
@@ -49,7 +50,7 @@ class EngineTrials:
     def refuses(self, policy: str, ratio: float, quant, options) -> str | None:
         """Why the engine does not run this cell (one line), or None."""
         try:
-            KVSettings(policy, ratio=ratio, quant=quant, options=dict(options))
+            resolve(_mix(policy, ratio, quant, options))
         except ValueError as error:
             return str(error)
         return None
@@ -70,7 +71,7 @@ def run_engine_trial(
     whole = context + prompt.question_ids[0].tolist()
     upto = len(context) if mode == "agnostic" else len(whole) - 1
     evicts = not make_policy(policy).keeps_everything and ratio > 0
-    settings = KVSettings(policy, ratio=ratio, quant=quant, options=dict(options)) if evicts or quant else None
+    settings = _mix(policy, ratio, quant, options) if evicts or quant else None
     params = SamplingParams(temperature=0, max_tokens=new_tokens)
     started = time.perf_counter()
     output = llm.generate([whole], params, use_tqdm=False, kv=settings, compress_upto=upto if evicts else None)[0]
@@ -84,3 +85,9 @@ def run_engine_trial(
         "seconds": seconds,
         "answer": output.outputs[0].text,
     }
+
+
+def _mix(policy: str, ratio: float, quant, options) -> Mix:
+    """A cell's mix: a policy that keeps everything ("full") takes no ratio."""
+    keeps = make_policy(policy, **dict(options)).keeps_everything
+    return Mix(policy if not keeps else "full", 0.0 if keeps else ratio, quant=quant, options=() if keeps else options)

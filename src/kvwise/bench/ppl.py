@@ -24,6 +24,7 @@ from kvwise.bench.ppl_report import markdown_table, plot_ppl
 from kvwise.bench.report_files import new_report, write_report
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
 from kvwise.kv.quantizer import make_quantizer
+from kvwise.policies.mix import parse_mix
 from kvwise.policies.registry import make_policy
 from kvwise.util.partial import read_partial
 
@@ -40,7 +41,9 @@ class PplConfig:
     quants: list[str] = field(default_factory=lambda: ["int8", "fp8", "kivi4", "kivi2"])
     policies: list[str] = field(default_factory=lambda: ["streaming_llm", "h2o", "tova", "snapkv", "keydiff"])
     budgets: list[int] = field(default_factory=lambda: [256, 512, 1024])
-    mixes: list[str] = field(default_factory=lambda: ["h2o:1024:kivi4", "snapkv:512:kivi4", "h2o:1024:kivi2"])
+    mixes: list[str] = field(
+        default_factory=lambda: ["h2o@max=1024+kivi4", "snapkv@max=512+kivi4", "h2o@max=1024+kivi2"]
+    )
     peers: list[str] = field(default_factory=lambda: ["quanto", "hqq"])
     model: str | None = None
     dtype: str = "bfloat16"
@@ -61,7 +64,8 @@ class PplConfig:
         if any(budget < 1 for budget in self.budgets):
             raise ValueError(f"budgets must be positive, got {self.budgets}")
         for mix in self.mixes:
-            parse_mix(mix)
+            if parse_mix(mix).max_tokens is None or parse_mix(mix).ratio > 0:
+                raise ValueError(f"a perplexity mix caps each head (policy@max=N, with a quantizer); got {mix!r}")
         for peer in self.peers:
             if peer not in HF_PEERS:
                 raise ValueError(f"unknown peer {peer!r}; choose from: {', '.join(HF_PEERS)}")
@@ -80,19 +84,10 @@ class PplConfig:
                 for budget in self.budgets
             ]
         for mix in self.mixes:
-            policy, budget, quant = parse_mix(mix)
-            systems.append({"system": "kvwise", "config": {"policy": policy, "max_kv_tokens": budget, "quant": quant}})
+            parsed = parse_mix(mix)
+            config = {"policy": parsed.policy, "max_kv_tokens": parsed.max_tokens, "quant": parsed.quant}
+            systems.append({"system": "kvwise", "config": config})
         return systems
-
-
-def parse_mix(text: str) -> tuple[str, int, str]:
-    """ "policy:budget:quant" -> (policy, budget, quant), e.g. "h2o:1024:kivi4"."""
-    parts = text.split(":")
-    if len(parts) != 3 or not parts[1].isdigit():
-        raise ValueError(f"a mix is policy:budget:quant, e.g. h2o:1024:kivi4; got {text!r}")
-    make_policy(parts[0])
-    make_quantizer(parts[2])
-    return parts[0], int(parts[1]), parts[2]
 
 
 def essay_tokens(tokenizer, count: int, haystack_dir: str | None) -> torch.Tensor:

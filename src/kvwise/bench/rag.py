@@ -27,7 +27,7 @@ from kvwise.bench.rag_workload import RagWorkload, rag_prompts
 from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
 from kvwise.bench.throughput import generate_timed
-from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.kv_settings import resolve
 from kvwise.hf.cache import full_kv_bytes
 
 
@@ -48,7 +48,7 @@ class RagConfig(RagWorkload):
         if unknown:
             raise ValueError(f"unknown systems {sorted(unknown)}; choose from {', '.join(sorted(known))}")
         if self.compress is not None:
-            settings = KVSettings.from_mix(self.compress)  # a clear error for a bad mix, before any run
+            settings = resolve(self.compress)  # a clear error for a bad mix, before any run
             if not settings.evicts or settings.ratio <= 0:
                 raise ValueError(f"--compress needs a policy with a ratio, such as 'kvzip@0.75'; got {self.compress!r}")
             wanted = ("kvwise-reuse-on", "kvwise-compress", "library-compress")
@@ -66,7 +66,7 @@ def run_engine(
 
     core = EngineCore(model, tokenizer, CacheConfig(prefix_caching=reuse))
     params = SamplingParams(temperature=0, max_tokens=config.output_tokens, ignore_eos=True)
-    kv = KVSettings.from_mix(compress) if compress is not None else None
+    kv = resolve(compress)
     waiting, in_flight, done, in_order = list(parts), 0, [], []
     started = time.monotonic()
     while waiting or in_flight:

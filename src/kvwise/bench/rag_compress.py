@@ -17,8 +17,8 @@ import statistics
 
 import torch
 
-from kvwise.engine.kv_settings import KVSettings
 from kvwise.hf.generation import greedy_continue
+from kvwise.policies.mix import parse_mix
 
 MATCH_TOKENS = 8
 
@@ -29,13 +29,13 @@ def library_answers(model, tokenizer, parts: list[tuple[list[int], int]], mix: s
     from kvwise.hf.compressed_contexts import CompressedContexts
     from kvwise.tiers.host import HostTier
 
-    settings = KVSettings.from_mix(mix)
+    mix = parse_mix(mix)
     contexts = CompressedContexts(HostTier(1 << 34))
     answers = []
     for ids, end in parts:
         context = torch.tensor([ids[:end]], device=model.device)
         cache = contexts.get_or_compress(
-            model, context, settings.policy, settings.ratio, settings.quant, tokenizer, **settings.options
+            model, context, mix.policy, mix.ratio, mix.quant, tokenizer, **mix.options_dict()
         )
         question = torch.tensor([ids[end:]], device=model.device)
         answers.append(greedy_continue(model, cache, question, tokens)[0].tolist())

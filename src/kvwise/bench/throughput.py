@@ -43,9 +43,9 @@ class ThroughputConfig:
         if self.requests < 1 or self.new_tokens < 1 or not 1 <= self.min_prompt <= self.max_prompt:
             raise ValueError("need requests >= 1, new_tokens >= 1 and 1 <= min_prompt <= max_prompt")
         if self.mix is not None:
-            from kvwise.engine.kv_settings import KVSettings
+            from kvwise.engine.kv_settings import resolve
 
-            KVSettings.from_mix(self.mix)  # a clear error for a bad mix before anything runs
+            resolve(self.mix)  # a clear error for a bad mix (or one the engine does not run) before anything runs
             added = ("kvwise", "kvwise-mix", "library-full", "library-mix")
             self.systems = tuple(self.systems) + tuple(name for name in added if name not in self.systems)
 
@@ -118,15 +118,13 @@ def run_hf(model, prompts, config: ThroughputConfig, batch_size: int, progress) 
 def run_kvwise(model, tokenizer, prompts, config: ThroughputConfig, progress, mix: str | None = None) -> dict:
     """The engine on every prompt at once; `mix`: the same KV mix on every request (compressed
     when its prompt's prefill ends)."""
-    from kvwise.engine.kv_settings import KVSettings
     from kvwise.engine.llm import LLM, CacheConfig
     from kvwise.engine.sampling import SamplingParams
 
     llm = LLM(model, CacheConfig(), tokenizer=tokenizer)
     params = SamplingParams(temperature=0, max_tokens=config.new_tokens, ignore_eos=True)
-    kv = KVSettings.from_mix(mix) if mix is not None else None
     started = time.monotonic()
-    outputs = llm.generate(prompts, params, use_tqdm=False, kv=kv)
+    outputs = llm.generate(prompts, params, use_tqdm=False, kv=mix)
     requests = [request for output in outputs for request in output.requests]
     progress.update(len(requests))
     row = _row(
@@ -150,18 +148,13 @@ def run_kvwise(model, tokenizer, prompts, config: ThroughputConfig, progress, mi
 def run_library(model, tokenizer, prompts, config: ThroughputConfig, progress, mix: str | None) -> dict:
     """The library path one request at a time: KVWiseCache with `mix` (or the full cache) over all
     but the last prompt token, compressed, then the last token and greedy decoding."""
-    from kvwise.engine.kv_settings import KVSettings
     from kvwise.hf.cache import KVWiseCache
     from kvwise.hf.generation import greedy_continue
 
-    settings = KVSettings.from_mix(mix) if mix is not None else None
     started, first, finished = time.monotonic(), [], []
     for prompt in prompts:
         ids = torch.tensor([prompt], device=model.device)
-        cache = KVWiseCache(model)
-        if settings is not None:
-            policy = (settings.policy, settings.ratio, settings.max_kv_tokens, tokenizer, settings.quant)
-            cache = KVWiseCache(model, *policy, **settings.options)
+        cache = KVWiseCache.for_mix(model, mix or "full", tokenizer)
         cache.compress_context(ids[:, :-1])
         token = greedy_continue(model, cache, ids[:, -1:], 1)
         first.append(time.monotonic())

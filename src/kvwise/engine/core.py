@@ -20,12 +20,12 @@ from kvwise.engine.config import CacheConfig
 from kvwise.engine.context_pass import PassChunk, PassDeferred, start_pass
 from kvwise.engine.detokenizer import IncrementalText
 from kvwise.engine.kv_manager import KVCacheManager
-from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.kv_settings import KVSettings, resolve
 from kvwise.engine.request import Request, Status
 from kvwise.engine.runner import ForwardOutput, ModelRunner
 from kvwise.engine.sampling import SamplingParams, find_stop, prompt_token_logprobs, sample
 from kvwise.engine.scheduler import Scheduler
-from kvwise.kv.quantizer import make_quantizer
+from kvwise.policies.mix import Mix
 from kvwise.tiers.base import Tier
 from kvwise.util.secret_keys import namespace_key as default_namespace_key
 
@@ -158,11 +158,12 @@ class EngineCore:
         params: SamplingParams,
         index: int = 0,
         tenant: str = "default",
-        kv: KVSettings | None = None,
+        kv: str | Mix | KVSettings | None = None,
         compress_upto: int | None = None,
         kv_auto: str | None = None,
     ):
-        """kv: the request's own eviction of its private tokens (shared prefixes stay intact).
+        """kv: the request's own KV mix for its private tokens (shared prefixes stay intact): a
+        spec, a `Mix` or resolved settings (`kv_settings.resolve`, which this calls).
         kv_auto: let the adaptive controller choose its mix, for this class hint (retrieval, chat,
         long_generation, or auto: from its features); explicit `kv` settings win.
         compress_upto: its ratio compresses (and its quantizer quantizes) the first `compress_upto`
@@ -170,23 +171,24 @@ class EngineCore:
         question) is read: query-agnostic compression. Default: the whole prompt when its
         prefill ends."""
         self.check_fits(len(token_ids), params.max_tokens)
+        kv = resolve(kv)
         if kv_auto is not None:
             if self.controller is not None:
                 self.controller.check_hint(kv_auto)
             else:
                 raise ValueError("an auto KV mix needs the adaptive controller: LLM(kv='auto'), serve --kv-policy auto")
         if compress_upto is not None:
-            compresses = kv is not None and ((kv.ratio > 0 and kv.evicts) or kv.quant is not None)
+            compresses = kv is not None and ((kv.ratio > 0 and kv.evicts) or kv.quantizer is not None)
             if kv_auto is None and not compresses:
                 raise ValueError(
-                    "compress_upto needs KVSettings with an evicting policy and a ratio above 0, or a quantizer"
+                    "compress_upto needs a KV mix with an evicting policy and a ratio above 0, or a quantizer"
                 )
             if not 1 <= compress_upto <= len(token_ids):
                 raise ValueError(
                     f"compress_upto must be between 1 and the prompt's {len(token_ids)} tokens, got {compress_upto}"
                 )
-        if kv is not None and kv.quant is not None:  # caught here, not inside a batched step
-            make_quantizer(kv.quant).check_head_dim(self.kv.geometry.head_dim)
+        if kv is not None and kv.quantizer is not None:  # caught here, not inside a batched step
+            kv.quantizer.check_head_dim(self.kv.geometry.head_dim)
         if kv is not None:
             kv.scorer.attach(self.model)  # a learned scorer (kvzap) loads here, or its error names the fix
         seed = None if params.seed is None else params.seed + index

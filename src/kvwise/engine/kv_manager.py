@@ -51,6 +51,7 @@ from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.request import Request
 from kvwise.engine.swap import HostSwap
 from kvwise.kv.paged import PagedKVStorage
+from kvwise.kv.quantizer import Quantizer
 from kvwise.kv.stored_form import into_pages
 from kvwise.tiers.base import Tier
 from kvwise.tiers.prefix_tiers import PrefixTiers, ReuseStats
@@ -338,7 +339,7 @@ class KVCacheManager:
         valid = [layer >= 0 for layer in positions]
         if request.kv.quant is not None:
             stored = {name.removeprefix("quant."): t for name, t in state.items() if name.startswith("quant.")}
-            store = self.quant_pages(request.kv.quant)
+            store = self.quant_pages(request.kv.quantizer)
             sink_counts = self._sink_counts(counts, store.form)
             pages = _pages_needed(counts, sink_counts, store.page_tokens)
             ids = store.restore(stored, pages) if self._room_in(store, pages) else None
@@ -566,7 +567,7 @@ class KVCacheManager:
     def plan_compactions(self, chunks) -> list[Compaction]:
         """The evictions to score in this step's forward, for requests whose KVSettings evict: the
         ratio once, when the chunk reaching its compression point is computed; the cap
-        (max_kv_tokens) whenever a head would hold a block more than it; and, for policies with
+        (max_tokens) whenever a head would hold a block more than it; and, for policies with
         running statistics under a cap, an observation every step (nothing evicted)."""
         plans = []
         for chunk in chunks:
@@ -577,7 +578,7 @@ class KVCacheManager:
             tail = chunk.end - request.kv_offset - request.reused  # private tokens in blocks after this chunk
             held = (region.longest() if region is not None else 0) + tail
             ratio_now = settings.ratio > 0 and chunk.end == request.compression_point
-            cap = settings.max_kv_tokens
+            cap = settings.max_tokens
             cap_now = cap is not None and (held > cap + self.block_size or (ratio_now and held > cap))
             # running statistics are observed every step under a cap; kvzap's (scores from each
             # chunk's hidden states) on every prefill chunk, as only that chunk's forward has them
@@ -600,16 +601,16 @@ class KVCacheManager:
                     rotate_queries=self.rotate_queries,
                     windows=windows,
                     chunk=chunk,
-                    fill=self._page_fill(settings.quant) if ratio_now else None,
+                    fill=self._page_fill(settings.quantizer) if ratio_now else None,
                 )
             )
         return plans
 
-    def _page_fill(self, quant: str | None) -> tuple[int, int] | None:
+    def _page_fill(self, quantizer: Quantizer | None) -> tuple[int, int] | None:
         """(page_tokens, sinks) of the pages a quantized mix's kept tokens go to, or None."""
-        if quant is None:
+        if quantizer is None:
             return None
-        form = self.quant_pages(quant).form
+        form = self.quant_pages(quantizer).form
         return form.page_tokens(), form.sink_tokens
 
     def _private(self, request: Request, end: int) -> PrivateKV:
@@ -682,7 +683,7 @@ class KVCacheManager:
         positions = [positions for _, _, _, positions, _ in kept]
         valid = [positions >= 0 for positions in positions]
         if request.kv.quant is not None:
-            region = self._write_quantized(request.kv.quant, kept, counts, valid, positions)
+            region = self._write_quantized(request.kv.quantizer, kept, counts, valid, positions)
             if region is not None:
                 return region
         pages, cells = [], []
@@ -697,10 +698,10 @@ class KVCacheManager:
             cells.append(layer_cells)
         return HeadRegion(pages, counts, valid, positions, cells=cells, page_bytes=self._head_pages.page_bytes)
 
-    def _write_quantized(self, name: str, kept, counts, valid, positions) -> HeadRegion | None:
+    def _write_quantized(self, quantizer: Quantizer, kept, counts, valid, positions) -> HeadRegion | None:
         """The kept rows in the mix's stored form: each head's sinks in the model's dtype, the
         rest in quantized pages. None when the store is full."""
-        store, ids, sinks = self.quant_pages(name), [], ([], [])
+        store, ids, sinks = self.quant_pages(quantizer), [], ([], [])
         sink_counts = self._sink_counts(counts, store.form)
         self._room_in(store, _pages_needed(counts, sink_counts, store.page_tokens))
         for layer, (layer_counts, keys, values, _, _) in enumerate(kept):
@@ -757,19 +758,22 @@ class KVCacheManager:
         )
 
     # ---- per-request quantization ------------------------------------------------------------------
-    def quant_pages(self, name: str) -> QuantPages:
-        """The quantized page store of quantizer `name` (made when first asked for): room for a
-        quarter of the pool's head pages, quantized."""
-        if name not in self._quantized_pages:
+    def quant_pages(self, quantizer: Quantizer) -> QuantPages:
+        """The quantized page store of `quantizer` (one per spec, made when first asked for): room
+        for a quarter of the pool's head pages, quantized."""
+        if quantizer.spec not in self._quantized_pages:
             layers, heads = len(self._storage.keys), self._head_pages.kv_heads
             tokens = self._pool.num_blocks * self.block_size * layers * heads // 4
-            self._quantized_pages[name] = QuantPages(name, self._storage, tokens, self.attach_quantizer)
-        return self._quantized_pages[name]
+            pages = QuantPages(self.attach_quantizer(quantizer), self._storage, tokens)
+            self._quantized_pages[quantizer.spec] = pages
+        return self._quantized_pages[quantizer.spec]
 
-    def quant_pool(self, name: str) -> QuantPool:
-        if name not in self._quant_pools:
-            self._quant_pools[name] = QuantPool(name, self._storage, self._pool.num_blocks, self.attach_quantizer)
-        return self._quant_pools[name]
+    def quant_pool(self, quantizer: Quantizer) -> QuantPool:
+        """The pool of blocks quantized with `quantizer` (one per spec, made when first asked for)."""
+        if quantizer.spec not in self._quant_pools:
+            pool = QuantPool(self.attach_quantizer(quantizer), self._storage, self._pool.num_blocks)
+            self._quant_pools[quantizer.spec] = pool
+        return self._quant_pools[quantizer.spec]
 
     def quantize_settled(self, requests: Sequence[Request]) -> list[tuple[Request, Exception]]:
         """Move requests' full private blocks outside the residual window to their QuantPool.
@@ -778,7 +782,7 @@ class KVCacheManager:
         for request in list(requests):
             if request.kv is None or request.kv.quant is None or request.computed < request.compression_point:
                 continue  # its blocks settle once what it compresses is computed (with compress_upto, before the rest)
-            if request.kv.max_kv_tokens is not None:
+            if request.kv.max_tokens is not None:
                 continue  # its tail is read again by the next eviction
             if _eviction_pending(request):
                 continue  # evict first, then quantize what is kept: the eviction reads these blocks
@@ -789,7 +793,7 @@ class KVCacheManager:
         return failed
 
     def _quantize(self, request: Request) -> None:
-        quant, table = self.quant_pool(request.kv.quant), request.blocks
+        quant, table = self.quant_pool(request.kv.quantizer), request.blocks
         first = max(request.reused // self.block_size, 1)  # the shared prefix and the sink block stay
         full = (request.computed - request.kv_offset) // self.block_size
         settled = [i for i in range(first, full - quant.residual_blocks) if table.places[i] is Place.DEVICE]

@@ -21,12 +21,13 @@ from kvwise.engine.config import CacheConfig
 from kvwise.engine.controllers import build_controller
 from kvwise.engine.core import CompletionOutput, EngineCore
 from kvwise.engine.kv_budget import cache_config_for_memory
-from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.kv_settings import KVSettings, resolve
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.chat_template import load_chat_template, render_chat
+from kvwise.policies.mix import Mix
 from kvwise.tiers.base import Tier
 
-__all__ = ["LLM", "CacheConfig", "CompletionOutput", "KVSettings", "RequestOutput"]
+__all__ = ["LLM", "CacheConfig", "CompletionOutput", "KVSettings", "Mix", "RequestOutput"]
 
 
 @dataclass
@@ -66,8 +67,8 @@ class LLM:
     ):
         """model: None (the embedded SmolLM2), an HF id or folder, or a loaded transformers model.
         tiers: where evicted prefix-cache blocks spill (e.g. [HostTier(2 << 30), DiskTier(dir)]).
-        kv="auto": the adaptive controller picks each request's KV mix (requests given explicit
-        KVSettings keep theirs) from the model's calibration profile (`kvwise calibrate`; one ships
+        kv="auto": the adaptive controller picks each request's KV mix (requests given a mix of
+        their own keep it) from the model's calibration profile (`kvwise calibrate`; one ships
         for the embedded model), keeping predicted quality per class at least `kv_quality` of the
         full cache's. kv_budget_bytes: all the KV memory it may use (pool and host swap), which
         sizes the pool instead of `cache_config.num_blocks`.
@@ -117,15 +118,16 @@ class LLM:
         prompts,
         sampling_params: SamplingParams | list[SamplingParams] | None = None,
         use_tqdm: bool = True,
-        kv: KVSettings | list[KVSettings | None] | None = None,
+        kv: str | Mix | KVSettings | list[str | Mix | KVSettings | None] | None = None,
         compress_upto: int | list[int | None] | None = None,
     ):
         """prompts: a string, a list of strings, or lists of token ids. Returns RequestOutputs in order.
 
         sampling_params: one for every prompt, or one per prompt.
 
-        kv: KVSettings for every prompt, or one per prompt (None: keep everything), e.g.
-        `KVSettings("snapkv", ratio=0.5)`; they evict only that request's private tokens.
+        kv: a KV mix for every prompt, or one per prompt (None: keep everything), as a spec such
+        as "snapkv@0.5" or "kvzip@0.9+kivi4", or a `Mix`; it compresses only that request's
+        private tokens.
         compress_upto: per prompt (or one for all), how many leading tokens (a document) the
         ratio compresses before the rest (a question) is read: query-agnostic compression.
         Default: the whole prompt, with its question, when its prefill ends.
@@ -134,7 +136,7 @@ class LLM:
             prompts = [prompts]
         sampling_params = sampling_params or SamplingParams()
         each = sampling_params if isinstance(sampling_params, list) else [sampling_params] * len(prompts)
-        settings = kv if isinstance(kv, list) else [kv] * len(prompts)
+        settings = [resolve(one) for one in kv] if isinstance(kv, list) else [resolve(kv)] * len(prompts)
         points = compress_upto if isinstance(compress_upto, list) else [compress_upto] * len(prompts)
         for name, values in (("sampling_params", each), ("kv", settings), ("compress_upto", points)):
             if len(values) != len(prompts):

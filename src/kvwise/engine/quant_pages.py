@@ -18,16 +18,16 @@ import torch
 from kvwise.core.block_pool import BlockPool
 from kvwise.kv.blocks import QuantizedBlocks
 from kvwise.kv.paged import PagedKVStorage
-from kvwise.kv.quantizer import make_quantizer
+from kvwise.kv.quantizer import Quantizer
 from kvwise.kv.stored_form import StoredForm
 
 
 class QuantPages:
-    def __init__(self, name: str, storage: PagedKVStorage, token_capacity: int, attach=lambda quantizer: quantizer):
-        """token_capacity: tokens of one head it can hold (allocated up front, quantized); attach:
-        readies the quantizer for the model (`Quantizer.attach`: a low-rank codec's bases)."""
-        self.name = name
-        self.quantizer = attach(make_quantizer(name))
+    def __init__(self, quantizer: Quantizer, storage: PagedKVStorage, token_capacity: int):
+        """quantizer: ready for the model (`Quantizer.attach`: a low-rank codec's bases);
+        token_capacity: tokens of one head it can hold (allocated up front, quantized)."""
+        self.name = quantizer.spec
+        self.quantizer = quantizer
         self.form = StoredForm.of(self.quantizer)
         layer = storage.keys[0]
         self.page_tokens, self.dtype, self.head_dim = (

@@ -15,14 +15,14 @@ import torch
 from kvwise.core.block_pool import BlockPool
 from kvwise.kv.blocks import QuantizedBlocks
 from kvwise.kv.paged import PagedKVStorage
-from kvwise.kv.quantizer import make_quantizer
+from kvwise.kv.quantizer import Quantizer
 
 
 class QuantPool:
-    def __init__(self, name: str, storage: PagedKVStorage, num_blocks: int, attach=lambda quantizer: quantizer):
-        """attach: readies the quantizer for the model (`Quantizer.attach`: a low-rank codec's bases)."""
-        self.name = name
-        self.quantizer = attach(make_quantizer(name))
+    def __init__(self, quantizer: Quantizer, storage: PagedKVStorage, num_blocks: int):
+        """quantizer: ready for the model (`Quantizer.attach`: a low-rank codec's bases)."""
+        self.name = quantizer.spec
+        self.quantizer = quantizer
         layer = storage.keys[0]
         self.block_size, self.dtype, self.device = storage.block_size, layer.dtype, layer.device
         heads, head_dim = layer.shape[2], layer.shape[3]

@@ -14,6 +14,7 @@ from kvwise.kv.quantizer import Quantizer, make_quantizer
 from kvwise.kv.stored_form import StoredForm, fill_pages
 from kvwise.policies import selection
 from kvwise.policies.base import Policy
+from kvwise.policies.mix import Mix, parse_mix
 from kvwise.policies.registry import make_policy
 from kvwise.policies.scoring_input import ScoringInput
 
@@ -104,6 +105,14 @@ class KVWiseCache(Cache):
         self._layer_rank = {id(layer): rank for rank, layer in enumerate(self.compressing_layers)}
         # kvwise attention reads per-head lengths and masks; the model's own attention does not
         self.previous_attention = use_kvwise_attention(model)
+
+    @classmethod
+    def for_mix(cls, model, mix: str | Mix, tokenizer=None, **kwargs) -> KVWiseCache:
+        """The library cache of a KV mix ("kvzip@0.9+kivi4", or a `Mix`): the same spec the
+        engine resolves, so both paths read one syntax."""
+        mix = parse_mix(mix)
+        budgets = dict(compression_ratio=mix.ratio, max_kv_tokens=mix.max_tokens, quant=mix.quant)
+        return cls(model, mix.policy, tokenizer=tokenizer, **budgets, **mix.options_dict(), **kwargs)
 
     def store_attention_input(self, layer_idx: int, hidden_states: torch.Tensor) -> None:
         """hidden_states [batch, query_len, hidden]: layer `layer_idx`'s input in this forward."""

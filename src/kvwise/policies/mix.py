@@ -3,46 +3,79 @@
     kvzip@0.9+kivi4                      evict 90% with kvzip, quantize what is kept with KIVI 4-bit
     h2o@max=1024+kivi4:group_size=32     keep at most 1024 tokens per head, KIVI 4-bit in groups of 32
     snapkv:window_size=32@0.75           a policy option, then the ratio
+    h2o@0.5,max=256                      evict half of the prompt, then hold each head to 256 tokens
     kivi2                                no eviction, KIVI 2-bit
     kvzip@0.9+lowrank:r=48+kivi2         keys as 48 coordinates of a calibrated basis, then KIVI 2-bit
     full                                 neither
 
 Components are joined by `+`: at most one policy (with `@RATIO`, the fraction of KV removed in
-[0, 1), or `@max=N`, a cap in tokens per head) and at most one quantizer (a `lowrank` stage
-followed by its inner quantizer counts as one); options follow a colon as `key=value` pairs
-separated by commas (or colons, as quantizer specs spell them). `policy:0.9` and `policy:1024`
-are read as `policy@0.9` and `policy@max=1024`. Every error names the component at fault.
-`Mix.spec` is the one canonical spelling: equal mixes have equal specs, so a spec can key a
-pool or a cached entry.
+[0, 1), `@max=N`, a cap in tokens per head while decoding, or both as `@RATIO,max=N`) and at
+most one quantizer (a `lowrank` stage followed by its inner quantizer counts as one); options
+follow a colon as `key=value` pairs separated by commas (or colons, as quantizer specs spell
+them). `policy:0.9` and `policy:1024` are read as `policy@0.9` and `policy@max=1024`. Every
+error names the component at fault. `Mix("kvzip", ratio=0.9, quant="kivi4")` is the same mix
+from Python, checked the same way. `Mix.spec` is the one canonical spelling: equal mixes have
+equal specs, so a spec can key a pool or a cached entry. The engine runs a mix once it is
+resolved (`engine.kv_settings.resolve`: the policy and quantizer objects it names).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from kvwise.kv.quantizer import make_quantizer, quantizer_names
 from kvwise.policies.registry import make_policy, policy_names
+from kvwise.policies.selection import check_max_kv_tokens, check_ratio
 
 
 @dataclass(frozen=True)
 class Mix:
+    """A KV mix as data: the one spec type, validated when it is made (`parse_mix` for text).
+
+    policy: a registered policy ("full": no eviction); ratio: the fraction of the KV it removes,
+    in [0, 1); max_tokens: a cap on tokens per head while decoding (with a ratio, or alone);
+    quant: a quantizer, stored as its canonical spec; options: the policy's hyperparameters, as a
+    dict or as sorted (name, value) pairs. Equal mixes have equal `spec`s.
+    """
+
     policy: str = "full"
-    policy_options: tuple[tuple[str, int | float | bool | str], ...] = ()  # sorted (name, value) pairs
-    ratio: float = 0.0  # fraction of the KV removed, in [0, 1)
-    max_tokens: int | None = None  # cap on tokens per head while decoding
-    quant: str | None = None  # the quantizer's canonical spec (`Quantizer.spec`), or None
+    ratio: float = 0.0
+    max_tokens: int | None = None
+    quant: str | None = None
+    options: tuple[tuple[str, int | float | bool | str], ...] = ()  # sorted (name, value) pairs
+
+    def __post_init__(self):
+        policy = str(self.policy).strip().lower()
+        options = tuple(sorted(dict(self.options).items()))
+        if policy not in policy_names():
+            raise ValueError(f"unknown policy {self.policy!r}; choose from: {', '.join(policy_names())}")
+        make_policy(policy, **dict(options))  # its errors name the policy and the option at fault
+        ratio = check_ratio(self.ratio, "ratio")
+        max_tokens = check_max_kv_tokens(self.max_tokens)
+        if policy == "full" and (ratio > 0 or max_tokens is not None):
+            raise ValueError("'full' keeps every token: a ratio or a cap needs an evicting policy such as 'snapkv'")
+        quantizer = make_quantizer(self.quant)
+        for name, value in (("policy", policy), ("options", options), ("ratio", ratio), ("max_tokens", max_tokens)):
+            object.__setattr__(self, name, value)
+        object.__setattr__(self, "quant", None if quantizer is None else quantizer.spec)
 
     @property
     def evicts(self) -> bool:
+        """A policy with a budget: a ratio above 0 or a cap."""
         return self.policy != "full" and (self.ratio > 0 or self.max_tokens is not None)
+
+    def options_dict(self) -> dict:
+        return dict(self.options)
 
     @property
     def spec(self) -> str:
         parts = []
-        if self.policy != "full":
-            options = ",".join(f"{name}={_text(value)}" for name, value in self.policy_options)
-            budget = f"max={self.max_tokens}" if self.max_tokens is not None else _text(self.ratio)
-            parts.append(f"{self.policy}{':' + options if options else ''}@{budget}")
+        if self.evicts:
+            options = ",".join(f"{name}={_text(value)}" for name, value in self.options)
+            budgets = [_text(self.ratio)] if self.ratio > 0 else []
+            budgets += [f"max={self.max_tokens}"] if self.max_tokens is not None else []
+            parts.append(f"{self.policy}{':' + options if options else ''}@{','.join(budgets)}")
         if self.quant is not None:  # a low-rank stage and its inner quantizer are two components
             for stage in self.quant.split("+"):
                 name, _, options = stage.partition(":")
@@ -59,6 +92,11 @@ def parse_mix(text: str | Mix) -> Mix:
         return text
     if not isinstance(text, str) or not text.strip():
         raise ValueError(f"a KV mix is a string such as 'kvzip@0.9+kivi4', got {text!r}")
+    return _parse(text)
+
+
+@lru_cache(maxsize=256)  # a Mix is immutable; the controller and the server parse the same few texts
+def _parse(text: str) -> Mix:
     policy, quant = None, None
     for component in (part.strip() for part in text.split("+")):
         if not component:
@@ -80,7 +118,10 @@ def parse_mix(text: str | Mix) -> Mix:
             choices = ", ".join([*policy_names(), *quantizer_names()])
             raise ValueError(f"unknown component {component!r} in KV mix {text!r}; choose from: {choices}")
     fields = policy[1] if policy is not None else {}
-    return Mix(quant=quant[1] if quant is not None else None, **fields)
+    try:
+        return Mix(quant=quant[1] if quant is not None else None, **fields)
+    except ValueError as error:  # the parts are checked one by one above; what is left is how they combine
+        raise ValueError(f"KV mix {text!r}: {error}") from None
 
 
 def _is_bare_lowrank(component: str) -> bool:
@@ -113,30 +154,35 @@ def _policy(component: str, name: str) -> dict:
         if not equals or not key.strip():
             raise ValueError(f"{component!r}: policy options are key=value pairs separated by commas, got {item!r}")
         options[key.strip()] = _value(value.strip())
+    fields = {"policy": name, "options": tuple(sorted(options.items()))}
+    budgets = [part.strip() for part in budget.split(",")] if budget.strip() else []
+    if not budgets and name != "full":
+        raise ValueError(f"{component!r}: give a ratio (@0.9), a cap (@max=1024) or both (@0.9,max=1024)")
+    for part in budgets:
+        fields.update(_budget(component, part))
     try:
-        make_policy(name, **options)
+        Mix(**fields)  # the policy's own checks, named by this component
     except (TypeError, ValueError) as error:
         raise ValueError(f"{component!r}: {error}") from None
-    fields = {"policy": name, "policy_options": tuple(sorted(options.items()))}
-    budget = budget.strip()
-    if not budget:
-        if name != "full":
-            raise ValueError(f"{component!r}: give a ratio (@0.9) or a cap (@max=1024)")
-        return fields
-    if budget.startswith("max="):
-        budget = budget[4:]
-        if not budget.isdigit() or int(budget) < 1:
-            raise ValueError(f"{component!r}: max= takes a whole number of tokens >= 1, got {budget!r}")
-        return {**fields, "max_tokens": int(budget)}
-    if budget.isdigit():
-        return {**fields, "max_tokens": int(budget)} if int(budget) >= 1 else {**fields, "ratio": 0.0}
+    return fields
+
+
+def _budget(component: str, part: str) -> dict:
+    """One budget after '@': `max=N` (or a bare whole number) caps, a fraction removes."""
+    if part.startswith("max=") or part.isdigit():
+        count = part.removeprefix("max=")
+        if not count.isdigit() or int(count) < 1:
+            if part.isdigit():  # `@0`: nothing removed
+                return {"ratio": 0.0}
+            raise ValueError(f"{component!r}: max= takes a whole number of tokens >= 1, got {count!r}")
+        return {"max_tokens": int(count)}
     try:
-        ratio = float(budget)
+        ratio = float(part)
     except ValueError:
-        raise ValueError(f"{component!r}: expected @RATIO in [0, 1) or @max=N, got {budget!r}") from None
+        raise ValueError(f"{component!r}: expected @RATIO in [0, 1), @max=N or both, got {part!r}") from None
     if not 0.0 <= ratio < 1.0:
         raise ValueError(f"{component!r}: the ratio is the fraction of KV removed, in [0, 1); got {ratio}")
-    return {**fields, "ratio": ratio}
+    return {"ratio": ratio}
 
 
 def _is_number(text: str) -> bool:

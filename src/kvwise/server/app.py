@@ -22,9 +22,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from kvwise.engine.core import ContextLengthError, EngineCore
 from kvwise.engine.detokenizer import IncrementalText
-from kvwise.engine.kv_settings import KVSettings
+from kvwise.engine.kv_settings import resolve
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.chat_template import NO_TEMPLATE_SERVER_HINT, has_chat_template, render_chat
+from kvwise.policies.mix import Mix
 from kvwise.server.api_keys import KeyEntry, find_key
 from kvwise.server.async_engine import AsyncEngine, EngineFailure
 from kvwise.server.kv_fields import (
@@ -280,7 +281,7 @@ class RequestHandlers:
             compress_upto = self._prefix_length(body, chat, prompts)
         auto = kv_auto(body, kv, self.core.controller is not None)
         if kv is None and auto is None and self.settings.default_kv_quant is not None:
-            kv = KVSettings("full", 0.0, quant=self.settings.default_kv_quant)
+            kv = resolve(Mix(quant=self.settings.default_kv_quant))
         turns = sum(message.role == "user" for message in body.messages) if chat else 0
         requests = []
         for prompt_index, token_ids in enumerate(prompts):

@@ -4,8 +4,9 @@ the quantizers a server enables, and the `usage.kv` an answer reports."""
 
 from __future__ import annotations
 
-from kvwise.engine.kv_settings import KVSettings
-from kvwise.kv.quantizer import make_quantizer, quantizer_names
+from kvwise.engine.kv_settings import KVSettings, resolve
+from kvwise.kv.quantizer import quantizer_names
+from kvwise.policies.mix import Mix
 from kvwise.server.protocol import OpenAIError
 
 SEPARATE_KV_FIELDS = "kv_policy, kv_ratio, kv_quant and max_kv_tokens"  # what one mix spec replaces
@@ -14,15 +15,15 @@ SEPARATE_KV_FIELDS = "kv_policy, kv_ratio, kv_quant and max_kv_tokens"  # what o
 def default_kv_quant_options() -> frozenset[str]:
     """The four scalar quantizers with their default settings (lowrank needs the model's bases
     from `kvwise calibrate`, so a server enables it by name: --kv-quant-options)."""
-    return frozenset(make_quantizer(name).spec for name in quantizer_names() if name != "lowrank")
+    return frozenset(Mix(quant=name).quant for name in quantizer_names() if name != "lowrank")
 
 
 def parse_kv_quant_options(text: str | None) -> frozenset[str]:
     """--kv-quant-options "kivi2,kivi4:group_size=16" -> canonical specs ("none": no kv_quant at all)."""
     if text is None:
         return default_kv_quant_options()
-    names = [name.strip() for name in text.split(",") if name.strip()]
-    return frozenset(quantizer.spec for quantizer in map(make_quantizer, names) if quantizer is not None)
+    specs = (Mix(quant=name.strip()).quant for name in text.split(",") if name.strip())
+    return frozenset(spec for spec in specs if spec is not None)
 
 
 def request_kv_settings(body, allowed: frozenset[str]) -> KVSettings | None:
@@ -39,11 +40,16 @@ def request_kv_settings(body, allowed: frozenset[str]) -> KVSettings | None:
     if all(option is None for option in separate):
         return None
     try:
-        settings = KVSettings(
-            body.kv_policy or "snapkv", body.kv_ratio or 0.0, max_kv_tokens=body.max_kv_tokens, quant=body.kv_quant
-        )
+        quant = Mix(quant=body.kv_quant).quant
     except ValueError as error:
-        raise OpenAIError(400, str(error), param="kv_quant" if "quant" in str(error) else "kv_policy") from None
+        raise OpenAIError(400, str(error), param="kv_quant") from None
+    policy = body.kv_policy or ("snapkv" if body.kv_ratio or body.max_kv_tokens is not None else "full")
+    try:  # a ratio or a cap without a policy means snapkv's
+        settings = resolve(Mix(policy, body.kv_ratio or 0.0, body.max_kv_tokens, quant))
+    except ValueError as error:
+        text = str(error)
+        param = "max_kv_tokens" if "max_kv_tokens" in text else "kv_ratio" if "ratio" in text else "kv_policy"
+        raise OpenAIError(400, text if text.startswith(param) else f"{param}: {text}", param=param) from None
     check_quant_enabled(allowed, settings, body.kv_quant, "kv_quant")
     return settings
 
@@ -77,9 +83,9 @@ def kv_auto(body, kv: KVSettings | None, has_controller: bool) -> str | None:
     return hint or "auto"
 
 
-def check_quant_enabled(allowed: frozenset[str], settings: KVSettings, asked: str | None, param: str) -> None:
+def check_quant_enabled(allowed: frozenset[str], settings: KVSettings | None, asked: str | None, param: str) -> None:
     """A 400 when `settings` asks for a quantizer this server has not enabled."""
-    if settings.quant is not None and settings.quant not in allowed:
+    if settings is not None and settings.quant is not None and settings.quant not in allowed:
         # each quantizer holds a pool of its own: only the server's fixed set may be asked for
         raise OpenAIError(
             400,
@@ -89,9 +95,9 @@ def check_quant_enabled(allowed: frozenset[str], settings: KVSettings, asked: st
 
 
 def mix_settings(spec: str, param: str) -> KVSettings:
-    """KVSettings from a mix spec sent as `param`; a 400 naming the bad component otherwise."""
+    """The settings of a mix spec sent as `param`; a 400 naming the bad component otherwise."""
     try:
-        return KVSettings.from_mix(spec)
+        return resolve(spec)
     except ValueError as error:
         raise OpenAIError(400, f"{param}: {error}", param=param) from None
 

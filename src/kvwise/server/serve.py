@@ -425,7 +425,7 @@ def kv_cache_dtype(args, kv_quant_options) -> str | None:
     """--kv-cache-dtype: the quantizer every request without KV settings of its own stores with."""
     if args.kv_cache_dtype is None:
         return None
-    from kvwise.kv.quantizer import make_quantizer
+    from kvwise.policies.mix import Mix
 
     if args.kv_policy == "auto":
         raise ValueError("--kv-cache-dtype fixes every request's quantizer: with --kv-policy auto the controller picks")
@@ -433,7 +433,7 @@ def kv_cache_dtype(args, kv_quant_options) -> str | None:
     if name in ("auto", "none"):  # vLLM's default spelling: the model's own dtype
         return None
     try:
-        spec = make_quantizer(name).spec
+        spec = Mix(quant=name).quant
     except ValueError as error:
         raise ValueError(f"--kv-cache-dtype: {error}") from None
     if spec not in kv_quant_options:

@@ -4,6 +4,8 @@ pinned mixes winning, and every decision reaching the counters."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvwise.adaptive.controller import AdaptiveConfig, AdaptiveController
@@ -12,6 +14,7 @@ from kvwise.adaptive.request_class import check_hint, classify
 from kvwise.engine.block_table import Place
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
+from kvwise.engine.kv_actions import AssignMix, SpillPrefixes
 from kvwise.engine.sampling import SamplingParams
 from kvwise.policies.mix import Mix
 from tests.conftest import random_ids
@@ -134,10 +137,12 @@ def test_ladder_escalates_under_pressure_and_comes_down_with_hysteresis(llama):
     core, controller = _engine(llama, num_blocks=100, steps_per_rung=2)
     # (usage, held back): memory holds requests back, then nobody is, then usage falls
     trace, levels = [(0.95, True)] * 8 + [(0.8, False)] * 4 + [(0.5, False)] * 8, []
-    for usage, held in trace:  # a scripted pool: the ladder alone (no running request to act on)
-        controller.pressure = lambda usage=usage, held=held: (usage, held)
-        controller.before_step()
+    stalls = 0
+    for usage, held in trace:  # a scripted view: the ladder alone (no running request to act on)
+        stalls += held
+        actions = controller.before_step(replace(core.kv.controller_view(), usage=usage, memory_stalls=stalls))
         levels.append(controller.level)
+        assert all(isinstance(action, SpillPrefixes) for action in actions)  # nobody runs: only the spill rung acts
     assert levels[:8] == [0, 1, 1, 2, 2, 3, 3, 3]  # one rung every two steps, at most three
     assert levels[8:12] == [3, 3, 3, 3]  # between the watermarks: it holds (hysteresis)
     assert levels[12:] == [2, 2, 1, 1, 0, 0, 0, 0]  # down one rung every two steps
@@ -213,3 +218,25 @@ def test_a_kvzip_pass_that_cannot_borrow_now_waits_instead_of_failing(llama):
     _run(core, [compressing])  # its pass needs ~20 blocks more than its own: more than the pool has free
     assert compressing.error is None and len(compressing.output) == 30 and holder.error is None
     assert compressing.preemptions >= 1  # it went back to the queue and was computed again
+
+
+def test_the_controller_answers_with_actions_and_the_manager_carries_them_out(llama):
+    """The protocol: before_step reads a view and returns actions; nothing changes until the
+    manager executes one, and its outcome comes back in the next view."""
+    core, controller = _engine(llama, num_blocks=30, steps_per_rung=1, low_watermark=0.2)
+    first = _request(core, 64, 40, "chat", seed=1)
+    core.add(first)
+    for _ in range(3):
+        core.step()
+    assert first.kv is None and first.kv_choice.reason == "spare"
+    controller.level = 1  # the quantize rung in force
+    view = core.kv.controller_view(core.scheduler.running, (core.scheduler.memory_stalls + 1, 0))
+    actions = controller.before_step(view)
+    assert [type(action) for action in actions] == [AssignMix] and actions[0].request is first
+    assert actions[0].quantize_now and first.kv is None  # asked for, not done
+    outcome = core.kv.execute(actions[0])
+    assert outcome.error is None and outcome.freed_bytes > 0 and first.kv.quantizer is not None
+    assert first.kv_choice is actions[0].label
+    controller.before_step(core.kv.controller_view(core.scheduler.running, outcomes=[outcome]))
+    assert controller.decisions.bytes_freed["quantize"] == outcome.freed_bytes
+    _run(core, [])

@@ -28,16 +28,20 @@ Only requests that asked for `auto` are touched: an explicit policy always wins.
 
 from __future__ import annotations
 
+import logging
+import weakref
 from dataclasses import dataclass, field
 
 from kvwise.adaptive.decisions import Choice, Decisions
 from kvwise.adaptive.profile import MixProfile, Profile, check_class
 from kvwise.adaptive.request_class import check_hint, classify
-from kvwise.engine.block_table import Place
-from kvwise.engine.kv_settings import resolve
+from kvwise.engine.kv_actions import Action, AssignMix, SpillPrefixes
+from kvwise.engine.kv_view import ControllerView, RunningRequest
 from kvwise.engine.request import Request
 from kvwise.policies.mix import Mix, parse_mix
 from kvwise.policies.registry import make_policy
+
+log = logging.getLogger("kvwise.adaptive")
 
 
 @dataclass
@@ -63,25 +67,23 @@ class AdaptiveConfig:
 
 
 class AdaptiveController:
+    """The engine's KV controller (`EngineCore.attach_controller`): `admit(request, view)` and
+    `before_step(view)` read a `ControllerView` and answer with actions the manager carries out."""
+
     RUNGS = ("quantize", "compress", "spill")
 
     def __init__(self, profile: Profile, config: AdaptiveConfig | None = None):
         self.profile, self.config = profile, config or AdaptiveConfig()
         self.decisions = Decisions()
         self.level = 0  # rungs in force (0: none)
-        self.engine = None
         self._steps_since_move = 0
         self._rung_actions = (self._quantize, self._compress, self._spill)  # in the order of RUNGS
-        self._pending: dict[Request, tuple[str, int]] = {}  # request -> (action, bytes before)
+        self._pending: dict[Request, tuple[str, int]] = {}  # capped request -> (action, bytes before)
+        self._refused: weakref.WeakSet[Request] = weakref.WeakSet()  # requests whose quantization failed
         self._seen = {"swapped": 0, "recomputed": 0, "held": 0}  # the engine's counts when last read
         self._steps = 0
         self._promised = 0  # blocks the requests admitted since the last step will take at full size
         self._last_held_back = None  # the step memory last held a request back
-
-    def attach(self, engine) -> None:
-        """Serve `engine` (an EngineCore): its scheduler asks before each admission."""
-        self.engine = engine
-        engine.scheduler.on_admitting.append(self.admit)
 
     @staticmethod
     def check_hint(hint: str) -> None:
@@ -89,17 +91,15 @@ class AdaptiveController:
         check_hint(hint)
 
     # ---- admission -----------------------------------------------------------------------------
-    def admit(self, request) -> None:
+    def admit(self, request: Request, view: ControllerView) -> AssignMix | None:
         """Choose once: a preempted request keeps its mix when it comes back."""
         if request.kv_auto is None or request.kv is not None or request.kv_choice is not None:
-            return
-        choice = self.choose(request)
-        request.kv_choice = choice
-        if choice.mix != "full":
-            self.engine.kv.assign_settings(request, resolve(choice.mix))
+            return None
+        choice = self.choose(request, view)
         self.decisions.record_choice(request.request_id, choice)
+        return AssignMix(request, choice.mix, label=choice, reason=choice.reason)
 
-    def choose(self, request) -> Choice:
+    def choose(self, request: Request, view: ControllerView) -> Choice:
         klass = classify(
             len(request.prompt),
             request.params.max_tokens,
@@ -113,10 +113,18 @@ class AdaptiveController:
             return Choice(pinned, klass, "pinned", entry.quality[klass] if entry else None)
         if len(request.prompt) < self.config.min_prompt_tokens:
             return Choice("full", klass, "short", 1.0)
-        if self.level == 0 and self._memory_to_spare(request):
-            self._promised += self._blocks(len(request.prompt) + request.params.max_tokens)
+        whole = _blocks(len(request.prompt) + request.params.max_tokens, view)
+        if self.level == 0 and self._promised + whole <= view.free_blocks:
+            # its whole KV fits the free blocks now, beside what this step's admissions were
+            # promised; neither the queue nor running requests' growth counts: the queue is admitted
+            # as memory frees, growth is met by the ladder, and compressing ahead of a need that may
+            # not come costs time and quality now
+            self._promised += whole
             return Choice("full", klass, "spare", 1.0)
-        pass_fits = self._pass_fits(request)
+        # a KVzip pass needs room for the prompt again now; one that cannot borrow its blocks
+        # sends the request back to be computed again
+        free_tokens = (view.free_blocks - self._promised) * view.block_size
+        pass_fits = free_tokens >= 2 * (len(request.prompt) + view.block_size)
         entry = self.profile.cheapest(
             klass, self.config.quality, lambda e: self._allowed(e) and (pass_fits or not _needs_pass(e.mix))
         )
@@ -125,40 +133,22 @@ class AdaptiveController:
             entry = self.profile.get("full")
         return Choice(entry.mix, klass, "pressure", entry.quality[klass])
 
-    def _pass_fits(self, request) -> bool:
-        """Whether the pool has room now for a context pass (KVzip's) over this request's prompt as
-        well as the prompt: under pressure it usually does not, and a pass that cannot borrow its
-        blocks sends the request back to be computed again."""
-        free = self.engine.kv.free_blocks() - self._promised
-        return free * self.engine.kv.block_size >= 2 * (len(request.prompt) + self.engine.kv.block_size)
-
     def _allowed(self, entry: MixProfile) -> bool:
         quant = entry.quant
         if quant is None or self.config.allowed_quants is None:
             return True
         return quant.split(":")[0] in self.config.allowed_quants
 
-    def _memory_to_spare(self, request) -> bool:
-        """This request's full KV (prompt and output) fits the pool's free blocks now (prefix-cache
-        blocks nobody holds count as free), beside what the requests admitted since the last step
-        were promised (their blocks are taken only when their chunks are scheduled). Neither the
-        queue nor running requests' future growth is counted: the queue is admitted as memory frees
-        and growth is met by the ladder, while compressing ahead of a need that may not come costs
-        time and quality now."""
-        own = self._blocks(len(request.prompt) + request.params.max_tokens)
-        return self._promised + own <= self.engine.kv.free_blocks()
-
-    def _blocks(self, tokens: int) -> int:
-        return -(-tokens // self.engine.kv.block_size)
-
     # ---- pressure ------------------------------------------------------------------------------
-    def before_step(self) -> None:
-        """Called by the engine before it schedules a step: settle what the last actions freed,
-        count the scheduler's swaps and preemptions, move on the ladder, act."""
+    def before_step(self, view: ControllerView) -> list[Action]:
+        """Before the engine schedules a step: log what the last actions did, count the
+        scheduler's swaps and preemptions, move on the ladder, and answer with this step's actions
+        (at most one per rung in force)."""
         self._promised = 0  # admissions of the last step hold their blocks by now
-        self._settle_pending()
-        self._count_scheduler_actions()
-        usage, held_back = self.pressure()
+        self._read_outcomes(view)
+        self._settle_pending(view)
+        self._count_scheduler_actions(view)
+        usage, held_back = self.pressure(view)
         self._steps += 1
         self._steps_since_move += 1
         if held_back:
@@ -172,54 +162,49 @@ class AdaptiveController:
                 self.level -= 1
                 self._steps_since_move = 0
         if self.level == 0 or usage < self.config.low_watermark:
-            return
-        reason = "held back" if recently else "holding"
+            return []
+        reason, actions = ("held back" if recently else "holding"), []
         for act in self._rung_actions[: self.level]:
-            act(reason)
+            action = act(view, reason, {a.request for a in actions if isinstance(a, AssignMix)})
+            if action is not None:
+                actions.append(action)
+        return actions
 
-    def pressure(self) -> tuple[float, bool]:
+    def pressure(self, view: ControllerView) -> tuple[float, bool]:
         """(the pool's usage in [0, 1], whether memory held a request back since the last step:
         a prefill chunk found no blocks, or a running request was swapped out or preempted)."""
-        scheduler, kv = self.engine.scheduler, self.engine.kv
-        held = scheduler.memory_stalls + scheduler.preemptions
+        held = view.memory_stalls + view.preemptions
         held_back, self._seen["held"] = held > self._seen["held"], held
-        return kv.usage(), held_back
+        return view.usage, held_back
 
-    def _candidates(self):
-        """Running auto requests past their prefill (not pinned), longest first."""
+    def _candidates(self, view: ControllerView, taken: set) -> list[RunningRequest]:
+        """Running auto requests past their prefill (not pinned, not `taken`), longest first."""
         running = [
             r
-            for r in self.engine.scheduler.running
+            for r in view.running
             if r.kv_auto is not None
-            and not r.prefilling
-            and r.reconstruction is None
+            and r.past_prefill
             and (r.kv_choice is None or r.kv_choice.reason != "pinned")
+            and r.request not in taken
         ]
-        return sorted(running, key=lambda r: len(r.tokens), reverse=True)
+        return sorted(running, key=lambda r: r.tokens, reverse=True)
 
-    def _klass(self, request) -> str:
-        return request.kv_choice.klass if request.kv_choice is not None else "chat"
+    @staticmethod
+    def _klass(running: RunningRequest) -> str:
+        return running.kv_choice.klass if running.kv_choice is not None else "chat"
 
-    def _quantize(self, reason: str) -> bool:
-        errors = self.engine.kv.stats().quantization_errors
-        for request in self._candidates():
-            if request.kv is not None:
+    def _quantize(self, view: ControllerView, reason: str, taken: set) -> AssignMix | None:
+        """taken: requests an earlier rung acts on in this step."""
+        for running in self._candidates(view, taken):
+            if running.has_settings or running.request in self._refused:
                 continue
-            entry = self._best_quant_only(self._klass(request), errors)
+            klass = self._klass(running)
+            entry = self._best_quant_only(klass, view.quantization_errors)
             if entry is None:
                 continue
-            kv = self.engine.kv
-            before, previous = kv.request_bytes(request), request.kv_choice
-            kv.assign_settings(request, resolve(entry.mix))
-            request.kv_choice = Choice(entry.mix, self._klass(request), "pressure", entry.quality[self._klass(request)])
-            failed = kv.quantize_settled([request])
-            if failed:  # that request keeps its blocks as they were
-                kv.assign_settings(request, None)
-                request.kv_choice = previous
-                continue
-            self.decisions.record("quantize", reason, request.request_id, before - kv.request_bytes(request), entry.mix)
-            return True
-        return False
+            label = Choice(entry.mix, klass, "pressure", entry.quality[klass])
+            return AssignMix(running.request, entry.mix, label, quantize_now=True, kind="quantize", reason=reason)
+        return None
 
     def _best_quant_only(self, klass: str, errors: dict) -> MixProfile | None:
         def tolerable(entry: MixProfile) -> bool:
@@ -232,32 +217,25 @@ class AdaptiveController:
         choices = [e for e in self.profile.mixes if tolerable(e) and e.quality[klass] >= self.config.quality]
         return min(choices, key=lambda e: e.bytes_fraction, default=None)
 
-    def _compress(self, reason: str) -> bool:
-        kv = self.engine.kv
-        for request in self._candidates():
-            if request.kv is not None and (request.kv.evicts or request.kv.quant is not None):
+    def _compress(self, view: ControllerView, reason: str, taken: set) -> AssignMix | None:
+        for running in self._candidates(view, taken):
+            if running.evicts or running.quantized:
                 continue  # evicting already, or quantized blocks an eviction cannot read back
-            if Place.QUANTIZED in request.blocks.places:
+            if running.reused > self.config.max_prefix_hit_rate * running.prompt_tokens:
                 continue
-            if request.reused > self.config.max_prefix_hit_rate * len(request.prompt):
+            if running.kept_score is not None and running.kept_score < self.config.min_kept_score:
                 continue
-            kept = getattr(request, "kept_score", None)
-            if kept is not None and kept < self.config.min_kept_score:
-                continue
-            klass = self._klass(request)
+            klass = self._klass(running)
             entry = self._best_evicting(klass)
-            private = len(request.tokens) - request.reused
+            private = running.tokens - running.reused
             if entry is None or private < self.config.min_prompt_tokens:
                 continue
             mix = parse_mix(entry.mix)
-            cap = max(kv.block_size, round((1 - mix.ratio) * private))
+            cap = max(view.block_size, round((1 - mix.ratio) * private))
             capped = Mix(mix.policy, max_tokens=cap, options=mix.options)
-            kv.assign_settings(request, resolve(capped))
-            request.kv_choice = Choice(capped.spec, klass, "pressure", entry.quality[klass])
-            self._pending[request] = ("compress", kv.request_bytes(request))
-            self.decisions.record("compress", reason, request.request_id, 0, f"cap={cap} ({entry.mix})")
-            return True
-        return False
+            label = Choice(capped.spec, klass, "pressure", entry.quality[klass])
+            return AssignMix(running.request, capped.spec, label, kind="compress", reason=reason)
+        return None
 
     def _best_evicting(self, klass: str) -> MixProfile | None:
         def fits(entry: MixProfile) -> bool:
@@ -267,33 +245,51 @@ class AdaptiveController:
         choices = [e for e in self.profile.mixes if fits(e) and e.quality[klass] >= self.config.quality]
         return min(choices, key=lambda e: e.bytes_fraction, default=None)
 
-    def _spill(self, reason: str) -> bool:
-        kv = self.engine.kv
-        evicted = kv.spill_cold_prefixes(max(1, kv.num_blocks // 16))
-        if evicted:
-            where = "tiers" if kv.has_tiers else "dropped"
-            self.decisions.record("spill", reason, "", evicted * kv.block_bytes, where)
-        return bool(evicted)
+    def _spill(self, view: ControllerView, reason: str, taken: set) -> SpillPrefixes:
+        return SpillPrefixes(max(1, view.num_blocks // 16), reason=reason)
 
-    def _settle_pending(self) -> None:
+    def _read_outcomes(self, view: ControllerView) -> None:
+        """Log what the actions answered last step did."""
+        for outcome in view.outcomes:
+            action = outcome.action
+            if isinstance(action, SpillPrefixes):
+                if outcome.freed_bytes:
+                    where = "tiers" if view.has_tiers else "dropped"
+                    self.decisions.record("spill", action.reason, "", outcome.freed_bytes, where)
+                continue
+            request_id = action.request.request_id
+            if outcome.error is not None:
+                self._refused.add(action.request)
+                log.info("kv auto: %s of %s failed: %s", action.kind, request_id, outcome.error)
+            elif action.kind == "quantize":
+                self.decisions.record("quantize", action.reason, request_id, outcome.freed_bytes, action.mix)
+            elif action.kind == "compress":
+                self._pending[action.request] = ("compress", outcome.bytes_before)
+                self.decisions.record("compress", action.reason, request_id, 0, action.mix)
+
+    def _settle_pending(self, view: ControllerView) -> None:
         """Bytes a cap freed, once its eviction ran (the request holds a region then)."""
-        kv = self.engine.kv
+        running = {r.request: r for r in view.running}
         for request, (action, before) in list(self._pending.items()):
-            if request.done or request.region is not None:
+            now = running.get(request)
+            if now is None or now.has_region:  # finished (or gone), or its eviction ran
                 del self._pending[request]
-                if not request.done:
-                    self.decisions.bytes_freed[action] += max(0, before - kv.request_bytes(request))
+                if now is not None:
+                    self.decisions.bytes_freed[action] += max(0, before - now.held_bytes)
 
-    def _count_scheduler_actions(self) -> None:
-        kv = self.engine.kv  # two counters, read every step: not a whole stats() snapshot
-        swapped, recomputed = kv.swapped_out_blocks, kv.recomputed_blocks
+    def _count_scheduler_actions(self, view: ControllerView) -> None:
+        swapped, recomputed = view.swapped_out_blocks, view.recomputed_blocks
         if swapped > self._seen["swapped"]:
-            self.decisions.record("swap", "no blocks", freed=(swapped - self._seen["swapped"]) * kv.block_bytes)
+            freed = (swapped - self._seen["swapped"]) * view.block_bytes
+            self.decisions.record("swap", "no blocks", freed=freed)
         if recomputed > self._seen["recomputed"]:
-            self.decisions.record(
-                "preempt", "no blocks", freed=(recomputed - self._seen["recomputed"]) * kv.block_bytes
-            )
+            freed = (recomputed - self._seen["recomputed"]) * view.block_bytes
+            self.decisions.record("preempt", "no blocks", freed=freed)
         self._seen.update(swapped=swapped, recomputed=recomputed)
+
+
+def _blocks(tokens: int, view: ControllerView) -> int:
+    return -(-tokens // view.block_size)
 
 
 def _needs_pass(mix: str) -> bool:

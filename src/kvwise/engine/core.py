@@ -114,10 +114,29 @@ class EngineCore:
         self.kv.set_namespace_keys(keys)
 
     def attach_controller(self, controller) -> None:
-        """Let `controller` (kvwise.adaptive.AdaptiveController) pick the mix of `auto` requests and
-        relieve memory pressure before each step."""
+        """Let `controller` pick the mix of `auto` requests and relieve memory pressure. It offers
+        two calls, each given a read-only `ControllerView`: `admit(request, view)` returns the
+        request's `AssignMix` (or None) before its prefix is matched, and `before_step(view)` returns
+        the actions for this step; the KV manager carries them out (`kv_actions`)."""
         self.controller = controller
-        controller.attach(self)
+        self._outcomes: list = []  # of the controller's last actions, shown in its next view
+        self.scheduler.on_admitting.append(self._controller_admits)
+
+    def _controller_admits(self, request: Request) -> None:
+        action = self.controller.admit(request, self.kv.controller_view(stalls=self._stalls()))
+        if action is not None:
+            outcome = self.kv.execute(action)
+            if outcome.error is not None:  # the request runs with the full cache instead
+                log.warning(
+                    "the KV controller's mix %r for %s failed: %s", action.mix, request.request_id, outcome.error
+                )
+
+    def _controller_acts(self) -> None:
+        view = self.kv.controller_view(self.scheduler.running, self._stalls(), self._outcomes)
+        self._outcomes = [self.kv.execute(action) for action in self.controller.before_step(view)]
+
+    def _stalls(self) -> tuple[int, int]:
+        return self.scheduler.memory_stalls, self.scheduler.preemptions
 
     # ---- requests ------------------------------------------------------------------------------
     def encode(self, prompt, add_special_tokens: bool = True) -> list[int]:
@@ -224,7 +243,7 @@ class EngineCore:
         """Schedule, run one forward for every scheduled chunk, then settle memory and sample."""
         tier_seconds = self.kv.prefix_stats.seconds_in_tiers  # scheduling fetches, evictions spill
         if self.controller is not None:
-            self.controller.before_step()
+            self._controller_acts()
         step = self.scheduler.schedule()
         if not step.chunks:
             return self._idle()

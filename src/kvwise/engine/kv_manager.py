@@ -35,6 +35,7 @@ import torch
 from kvwise.core.block_pool import BlockPool
 from kvwise.core.hashing import SegmentedNamespace, compressed_key
 from kvwise.core.radix import RadixCache
+from kvwise.engine import kv_control
 from kvwise.engine.block_table import BlockTable, Place
 from kvwise.engine.compaction import Compaction, PrivateKV, kept_score
 from kvwise.engine.compressed_payload import read_entry, write_entry
@@ -42,9 +43,10 @@ from kvwise.engine.compressed_prefixes import CompressedEntry, CompressedPrefixe
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.head_pages import HeadPages
 from kvwise.engine.head_region import HeadRegion
+from kvwise.engine.kv_actions import Action, Outcome
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.kv_stats import KVStats, TierUsage
-from kvwise.engine.kv_view import RoutingSnapshot, RunnerView
+from kvwise.engine.kv_view import ControllerView, RoutingSnapshot, RunnerView
 from kvwise.engine.namespaces import default_namespace
 from kvwise.engine.quant_pages import QuantPages
 from kvwise.engine.quant_pool import QuantPool
@@ -171,6 +173,20 @@ class KVCacheManager:
         `request.kv` after a request is made. Takes effect at its next compression point or, for a
         quantizer, at the next `quantize_settled`."""
         request.kv = settings
+
+    def execute(self, action: Action) -> Outcome:
+        """Carry out a controller's action (`kv_actions`); one that fails changes nothing."""
+        return kv_control.execute(self, action)
+
+    def controller_view(self, running=(), stalls: tuple[int, int] = (0, 0), outcomes=()) -> ControllerView:
+        """What a controller reads: memory, the scheduler's `stalls` (memory stalls, preemptions),
+        the `running` requests and the outcomes of its last actions."""
+        return kv_control.controller_view(self, running, stalls, outcomes)
+
+    def quantization_errors(self) -> dict[str, tuple[float, float]]:
+        """Per quantizer spec in use, the mean relative error of (keys, values) it measured."""
+        pools = list(self._quant_pools.items())
+        return {name: (quant.mean_error("keys"), quant.mean_error("values")) for name, quant in pools}
 
     def lend_blocks(self, count: int) -> list[int]:
         """`count` blocks for a KVzip reconstruction pass (check `can_borrow` first); they come back
@@ -834,9 +850,7 @@ class KVCacheManager:
             compressed_documents=len(self._compressed) if self._compressed is not None else 0,
             compressed_hits=self._compressed.hits if self._compressed is not None else 0,
             compressed_spilled=self._compressed.spilled if self._compressed is not None else 0,
-            quantization_errors={
-                name: (quant.mean_error("keys"), quant.mean_error("values")) for name, quant in quant_pools
-            },
+            quantization_errors=self.quantization_errors(),
             swap_used_bytes=self._swap.used_bytes if self._swap is not None else None,
             swap_capacity_bytes=self._swap.capacity_bytes if self._swap is not None else None,
             swapped_out_blocks=self._swap.swapped_out_blocks if self._swap is not None else 0,

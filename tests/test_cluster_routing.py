@@ -153,11 +153,11 @@ def test_the_ingress_names_a_prompts_blocks_as_the_engine_caches_them(served, te
     completion = {"model": "tiny", "prompt": "the quick brown fox " * 5, "max_tokens": 2}
     for path, body in (("/v1/chat/completions", chat), ("/v1/completions", completion)):
         routed = routing.annotate(_routed(path, body, tenant_key))
-        before = {short_key(key) for key in core.kv._tree.keys()}
+        before = {short_key(key) for key in core.kv.routing_snapshot(0).device}
         assert routed.blocks and not set(routed.blocks) & before  # not cached yet
         response = client.post(path, json=body, headers={"Authorization": f"Bearer {tenant_key}"})
         assert response.status_code == 200, response.text
-        cached = {short_key(key) for key in core.kv._tree.keys()}
+        cached = {short_key(key) for key in core.kv.routing_snapshot(0).device}
         assert set(routed.blocks) <= cached
         assert routed.prompt_tokens == response.json()["usage"]["prompt_tokens"]
         assert len(routed.blocks) == (routed.prompt_tokens - 1) // 4

@@ -46,7 +46,7 @@ def test_later_questions_reuse_the_compressed_document_and_answer_as_if_compress
     assert _first_chunk_start(core, first) == 0
     for request in later:
         assert _first_chunk_start(core, request) == len(DOCUMENT)  # only the question was computed
-    assert core.kv._compressed.hits == 2 and len(core.kv._compressed) == 1
+    assert core.kv.stats().compressed_hits == 2 and core.kv.stats().compressed_documents == 1
     for question, request in zip(QUESTIONS[1:], later):
         alone = _ask(_engine(llama), question, mix)  # a fresh engine compresses the same document
         assert request.output == alone.output
@@ -61,9 +61,9 @@ def test_another_tenant_mix_or_preamble_is_another_entry(llama):
     _ask(core, QUESTIONS[1], tenant="bob")
     _ask(core, QUESTIONS[1], mix="kvzip@0.5")
     _ask(core, QUESTIONS[1], document=[5, 6, 7, 8] + DOCUMENT)  # another system prompt before it
-    assert core.kv._compressed.hits == 0 and len(core.kv._compressed) == 4
+    assert core.kv.stats().compressed_hits == 0 and core.kv.stats().compressed_documents == 4
     _ask(core, QUESTIONS[2], tenant="bob")
-    assert core.kv._compressed.hits == 1
+    assert core.kv.stats().compressed_hits == 1
 
 
 def test_compressed_documents_give_way_under_memory_pressure_and_are_zeroed(llama):
@@ -72,10 +72,10 @@ def test_compressed_documents_give_way_under_memory_pressure_and_are_zeroed(llam
     for document in documents:
         _ask(core, QUESTIONS[0], document=document)
     assert core.kv._compressed.evictions > 0
-    while len(core.kv._compressed):
+    while core.kv.stats().compressed_documents:
         core.kv._let_go(core.kv._compressed.evict_one()[1].region)
-    core.kv._tree.evict(core.kv.num_blocks)
-    assert core.kv.stats().used_blocks == 0 and core.kv._head_pages.used_pages == 0
+    core.kv.spill_cold_prefixes(core.kv.num_blocks)
+    assert core.kv.stats().used_blocks == 0 and core.kv.stats().head_page_bytes == 0
     assert not core.kv._storage.all_keys.any() and not core.kv._storage.all_values.any()
 
 
@@ -100,7 +100,7 @@ def test_a_document_pushed_off_the_device_comes_back_from_a_tier_bit_for_bit(lla
     before = [part.clone() for layer in range(3) for part in region.read(core.kv._storage, layer)]
     for seed in range(8):  # other documents push it off the device, to the tier
         _ask(core, QUESTIONS[0], mix, document=random_ids(1, 80, seed=40 + seed)[0].tolist())
-    assert core.kv._compressed.spilled > 0 and entry not in core.kv.compressed_entries()
+    assert core.kv.stats().compressed_spilled > 0 and entry not in core.kv.compressed_entries()
     again = _ask(core, QUESTIONS[0], mix)
     assert core.kv._compressed.restored >= 1 and again.compressed_hit
     assert _first_chunk_start(core, again) == len(DOCUMENT)  # only the question was computed
@@ -122,7 +122,7 @@ def test_a_tier_entry_of_an_older_format_is_a_miss(llama, monkeypatch, tmp_path)
     for seed in range(8):
         _ask(core, QUESTIONS[0], document=random_ids(1, 80, seed=40 + seed)[0].tolist())
     monkeypatch.setattr(payload, "VERSION", 2)
-    assert core.kv._compressed.spilled > 0
+    assert core.kv.stats().compressed_spilled > 0
     again = _ask(core, QUESTIONS[1])
     assert not again.compressed_hit and core.kv._compressed.restored == 0
     assert tier.stats.corrupt > 0  # read, refused, deleted
@@ -142,7 +142,7 @@ def test_a_region_of_the_previous_stored_form_is_a_miss(llama, monkeypatch, tmp_
     first = _ask(core, QUESTIONS[0], mix)
     for seed in range(8):
         _ask(core, QUESTIONS[0], mix, document=random_ids(1, 80, seed=40 + seed)[0].tolist())
-    assert core.kv._compressed.spilled > 0
+    assert core.kv.stats().compressed_spilled > 0
     monkeypatch.setattr(compressed_payload, "FORMAT", "kvwise-head-region/2")
     again = _ask(core, QUESTIONS[0], mix)
     assert not again.compressed_hit and core.kv._compressed.restored == 0

@@ -222,7 +222,7 @@ def test_preemption_by_recompute_or_host_swap_keeps_outputs(llama, swap_space_by
     if swap_space_bytes:
         swap = tight.kv._swap
         assert swap.swapped_out_blocks > 0 and swap.swapped_in_blocks == swap.swapped_out_blocks
-        assert tight.kv.recomputed_blocks == 0 and tight.kv._swap.used_bytes == 0
+        assert tight.kv.recomputed_blocks == 0 and tight.kv.stats().swap_used_bytes == 0
     else:
         assert tight.kv.recomputed_blocks > 0
     assert_only_prefix_cache_holds_blocks(tight)

@@ -102,7 +102,7 @@ def test_every_policy_holds_its_budget_frees_blocks_and_matches_the_library(llam
             kept = positions[head, : seen["counts"][layer][head]]
             assert kept.tolist() == sorted(set(kept.tolist())) and 0 <= int(kept.min()) and int(kept.max()) < private
     assert request.output == _library_tokens(llama, ids, policy)
-    assert core.kv.stats().used_blocks == 0 and core.kv._head_pages.used_pages == 0
+    assert core.kv.stats().used_blocks == 0 and core.kv.stats().head_page_bytes == 0
 
 
 @pytest.mark.parametrize("policy", ["snapkv", "adakv", "pyramidkv", "h2o", "kvzip"])
@@ -127,7 +127,7 @@ def test_a_cap_during_decoding_keeps_each_head_at_most_the_cap(llama, policy):
                         assert kept == sorted(set(kept)) and 0 <= kept[0] and kept[-1] < request.computed
     assert len(request.output) == 40
     assert cap < most <= cap + BLOCK + 1  # evicted back to the cap whenever a block's worth piled up
-    assert core.kv.stats().used_blocks == 0 and core.kv._head_pages.used_pages == 0
+    assert core.kv.stats().used_blocks == 0 and core.kv.stats().head_page_bytes == 0
 
 
 def test_evicted_requests_beside_plain_ones_leave_the_plain_outputs_alone(llama):
@@ -183,7 +183,7 @@ def test_every_policy_composes_with_every_quantizer(llama, policy, quant):
     assert len(request.output) == 12 and quantized
     # under 0.5: KIVI pages are one 32-token group, a head capped at 24 tokens pads a third of one
     assert max(quantized) < (0.6 if quant in ("int8", "fp8") else 0.5)
-    assert core.kv._head_pages.used_pages == 0 and core.kv.stats().used_blocks == 0
+    assert core.kv.stats().head_page_bytes == 0 and core.kv.stats().used_blocks == 0
     assert core.kv._quantized_pages[settings.quant].used_bytes() == 0
 
 

@@ -50,7 +50,7 @@ def test_a_failed_swap_recomputes_and_leaks_nothing(llama, monkeypatch, failing)
     _run(tight, outputs)
     assert calls["n"] >= 1 and tight.scheduler.preemptions > 0
     assert [r.output for r in outputs] == [r.output for r in expected]
-    assert tight.kv.recomputed_blocks > 0 and tight.kv._swap.used_bytes == 0
+    assert tight.kv.recomputed_blocks > 0 and tight.kv.stats().swap_used_bytes == 0
     assert_only_prefix_cache_holds_blocks(tight)
 
 

@@ -46,3 +46,20 @@ def test_report_states_speedup_against_the_bound():
         "host 90.0x, disk 20.0x" in text
         and "p50 speedup 1.60x; bound 1/(1 - hit rate) = 2.00x (0.80 of the bound)" in text
     )
+
+
+def test_restore_is_timed_against_a_copy_and_a_raw_read_of_the_same_bytes(llama, tmp_path):
+    from kvwise.bench.reuse import measure_restore, restore_lines
+    from kvwise.tiers.disk import DiskTier
+    from kvwise.tiers.host import HostTier
+    from tests.conftest import random_ids
+
+    ids = random_ids(1, 65, seed=3)
+    tiers = {"host": HostTier(64 << 20), "disk": DiskTier(tmp_path / "disk")}
+    rows = measure_restore(llama, ids, 16, tiers, repeats=2)
+    for name, row in rows.items():
+        assert row["bytes"] > 0 and row["pool_seconds"] > 0 and row["copy_seconds"] > 0, name
+        assert row["library_seconds"] > 0 and row["recompute_seconds"] > 0
+    assert rows["host"]["raw_read_seconds"] is None and rows["disk"]["raw_read_seconds"] > 0
+    table = "\n".join(restore_lines(rows))
+    assert "| host |" in table and "| disk |" in table and "pool / raw read" in table

@@ -206,6 +206,9 @@ def test_a_tier_that_raises_on_read_is_a_miss_not_a_failed_step(llama):
         def get(self, key):
             raise RuntimeError("a bug in a tier")
 
+        def borrow(self, keys):  # a restore reads through borrow
+            raise RuntimeError("a bug in a tier")
+
     core = EngineCore(llama, None, CONFIG, tiers=[Broken(64 << 20)])
     first = run(core, prompt(4))
     flush_device(core, seed=5)

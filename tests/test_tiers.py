@@ -38,6 +38,24 @@ def test_host_tier_is_a_byte_bounded_lru():
     assert not HostTier(capacity_bytes=one - 1).put(first, block())  # larger than the tier: refused
 
 
+def test_a_lent_host_entry_is_neither_evicted_nor_zeroed_until_it_comes_back():
+    one = block().nbytes
+    tier = HostTier(capacity_bytes=2 * one)
+    first, second, third = keys(3)
+    tier.put(first, block(1))
+    tier.put(second, block(2))
+    with tier.borrow([first, third]) as lent:
+        assert lent[1] is None and torch.equal(lent[0], block(1))
+        assert lent[0].data_ptr() == tier._blocks[first].data_ptr()  # the entry itself: no copy
+        assert tier.put(third, block(3))  # room comes from `second`, not the lent `first`
+        assert tier.exists(first) and not tier.exists(second)
+        assert not tier.put(keys(4)[3], block(4)) or tier.exists(first)  # never by evicting `first`
+        tier.delete(first)
+        assert torch.equal(lent[0], block(1))  # deleted meanwhile: still readable while lent
+    assert not lent[0].any()  # zeroed once it came back
+    assert tier.stats.bytes_held <= 2 * one
+
+
 def test_disk_round_trip_is_atomic(tmp_path):
     tier = DiskTier(tmp_path)
     key = keys(1)[0]
@@ -106,6 +124,27 @@ def test_redis_round_trip_with_ttl(redis_server):
     assert 0 < tier.client.ttl(tier._name(key)) <= 60
     tier.delete(key)
     assert not tier.exists(key) and tier.get(key) is None
+
+
+def test_redis_reads_many_blocks_in_one_round_trip(redis_server):
+    tier = RedisTier(redis_server.url, hmac_key=HMAC_KEY, ttl_seconds=60)
+    present, absent, tampered = keys(3, tenant="many")
+    tier.put(present, block(5))
+    tier.put(tampered, block(6))
+    value = bytearray(tier.client.get(tier._name(tampered)))
+    value[-1] ^= 0x01
+    tier.client.set(tier._name(tampered), bytes(value))
+    calls = []
+    execute = tier.client.pipeline
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return execute(*args, **kwargs)
+
+    tier.client.pipeline = counting
+    got = tier.get_many([present, absent, tampered])
+    assert len(calls) == 1 and torch.equal(got[0], block(5)) and got[1] is None and got[2] is None
+    assert tier.stats.corrupt == 1 and not tier.exists(tampered)
 
 
 def test_redis_rejects_tampered_and_unauthenticated_entries(redis_server):

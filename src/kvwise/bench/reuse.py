@@ -26,7 +26,7 @@ from kvwise.bench.rag_workload import RagWorkload, rag_requests
 from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
 from kvwise.core.block_pool import BlockPool
-from kvwise.core.hashing import Namespace
+from kvwise.core.hashing import Namespace, chain_keys
 from kvwise.core.radix import RadixCache
 from kvwise.hf.prefix_reuse import PrefixReuse
 from kvwise.tiers.disk import DiskTier
@@ -76,24 +76,87 @@ def _prefill_seconds(model, ids: torch.Tensor) -> float:
     return time.perf_counter() - started
 
 
-def measure_restore(model, ids: torch.Tensor, block_size: int, tiers: dict) -> dict[str, float]:
-    """Recompute time / restore time of ids' prefix, for each tier on its own."""
+def measure_restore(model, ids: torch.Tensor, block_size: int, tiers: dict, repeats: int = 5) -> dict:
+    """Restoring ids' prefix from each tier on its own, fastest of `repeats`: into the device pool
+    as the engine does (`pool_seconds`), and into a transformers cache (`library_seconds`, the
+    pool then a DynamicCache); against recomputing its prefill, a plain copy of the same bytes
+    (`copy_seconds`) and a raw read of the tier's entries (`raw_read_seconds`: the files, or one
+    pipelined GET of the Redis values)."""
     recompute = min(_prefill_seconds(model, ids[:, :-1]) for _ in range(2))
-    speedups = {}
+    rows = {}
     for name, tier in tiers.items():
         blocks = ids.shape[1] // block_size + 2
         reuse = PrefixReuse(model, tenant="restore", block_size=block_size, device_blocks=blocks, tiers=[tier])
         reuse.generate(ids, max_new_tokens=1, do_sample=False)
-        timings = []
-        for _ in range(2):
+        tokens = ids[0].tolist()
+        usable = (len(tokens) - 1) // block_size
+        library, pool = [], []
+        for _ in range(repeats):
             reuse.tree.clear()  # the device pool is empty: everything must come from the tier
             started = time.perf_counter()
             _, restored = reuse.prefill_cache(ids)
-            timings.append(time.perf_counter() - started)
-            if restored < (ids.shape[1] - 1) // block_size * block_size:
+            library.append(time.perf_counter() - started)
+            if restored < usable * block_size:
                 raise RuntimeError(f"the {name} tier restored only {restored} tokens")
-        speedups[name] = recompute / min(timings)
-    return speedups
+            reuse.tree.clear()
+            empty = reuse.tree.match_prefix(tokens[: usable * block_size], reuse.namespace)
+            started = time.perf_counter()
+            promoted = reuse.tiered.extend(tokens, reuse.namespace, empty, usable)
+            pool.append(time.perf_counter() - started)
+            if len(promoted) < usable:
+                raise RuntimeError(f"the {name} tier restored only {len(promoted)} blocks into the pool")
+        keys = chain_keys(tokens[: usable * block_size], block_size, reuse.namespace)
+        nbytes = usable * reuse.storage.block_bytes
+        rows[name] = {
+            "bytes": nbytes,
+            "recompute_seconds": recompute,
+            "library_seconds": min(library),
+            "pool_seconds": min(pool),
+            "copy_seconds": plain_copy_seconds(nbytes, repeats),
+            "raw_read_seconds": raw_read_seconds(tier, keys, repeats),
+        }
+    return rows
+
+
+def plain_copy_seconds(nbytes: int, repeats: int) -> float:
+    """One `copy_` of `nbytes` between two tensors allocated (and touched) beforehand."""
+    source, target = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    timings = []
+    for _ in range(repeats + 1):
+        started = time.perf_counter()
+        target.copy_(source)
+        timings.append(time.perf_counter() - started)
+    return min(timings[1:])
+
+
+def raw_read_seconds(tier, keys: list[bytes], repeats: int) -> float | None:
+    """Reading the tier's entries for `keys` as bytes and nothing else: every file (page cache
+    warm), or one pipelined GET of every Redis value; None for the host tier (its reference is
+    the plain copy)."""
+    if isinstance(tier, DiskTier):
+        paths = [tier.path(key) for key in keys]
+
+        def read() -> None:
+            for path in paths:
+                path.read_bytes()
+
+    elif isinstance(tier, RedisTier):
+        names = [tier.entry_name(key) for key in keys]
+
+        def read() -> None:
+            pipeline = tier.client.pipeline(transaction=False)
+            for name in names:
+                pipeline.get(name)
+            pipeline.execute()
+
+    else:
+        return None
+    timings = []
+    for _ in range(repeats):
+        started = time.perf_counter()
+        read()
+        timings.append(time.perf_counter() - started)
+    return min(timings)
 
 
 def run_rag(model, requests: list[torch.Tensor], config: ReuseConfig, progress) -> dict:
@@ -145,8 +208,10 @@ def run_reuse(config: ReuseConfig, out_dir: Path) -> dict:
         else:
             print("no --redis-url: the Redis tier is left out (start a redis-server and pass its URL to time it)")
         restore = measure_restore(model, restore_ids, config.block_size, tiers)
+        speedups = {name: row["recompute_seconds"] / row["library_seconds"] for name, row in restore.items()}
         rag = run_rag(model, requests, config, bar)
-    fields = {"lookup_us_per_token": lookup, "restore_speedup": restore, "rag": rag, "results": []}
+    fields = {"lookup_us_per_token": lookup, "restore_speedup": speedups, "restore": restore, "rag": rag}
+    fields["results"] = []
     return write_report(out_dir, new_report("reuse", config, model.device, **fields), markdown)
 
 
@@ -160,6 +225,7 @@ def markdown(report: dict) -> str:
         f"on a tree of {config['tree_blocks']:,} blocks",
         f"- restore a {config['restore_tokens']}-token prefix instead of recomputing it: "
         + ", ".join(f"{tier} {speedup:.1f}x" for tier, speedup in report["restore_speedup"].items()),
+        *restore_lines(report.get("restore", {})),
         f"- RAG, {rag['requests']} requests ({rag['prompt_tokens']:,} prompt tokens): hit rate {rag['hit_rate']:.3f}",
         "",
         "| reuse | TTFT p50 (s) | TTFT p99 (s) |",
@@ -171,3 +237,25 @@ def markdown(report: dict) -> str:
         f"({rag['speedup'] / rag['bound']:.2f} of the bound)",
     ]
     return "\n".join(lines) + "\n"
+
+
+def restore_lines(restore: dict) -> list[str]:
+    """The restore table: each tier's times against a plain copy and a raw read of the same bytes."""
+    if not restore:
+        return []
+    lines = [
+        "",
+        "| tier | MB | into the pool (ms) | into a transformers cache (ms) | plain copy (ms) | raw read (ms) "
+        "| pool / copy | pool / raw read | recompute / pool |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, row in restore.items():
+        pool, raw = row["pool_seconds"], row["raw_read_seconds"]
+        raw_ms = "-" if raw is None else f"{raw * 1e3:.2f}"
+        over_raw = "-" if raw is None else f"{pool / raw:.2f}x"
+        lines.append(
+            f"| {name} | {row['bytes'] / 1e6:.1f} | {pool * 1e3:.2f} | {row['library_seconds'] * 1e3:.2f} "
+            f"| {row['copy_seconds'] * 1e3:.2f} | {raw_ms} | {pool / row['copy_seconds']:.2f}x | {over_raw} "
+            f"| {row['recompute_seconds'] / pool:.1f}x |"
+        )
+    return [*lines, ""]

@@ -64,6 +64,18 @@ class PagedKVStorage:
             self.keys[layer].index_copy_(0, index, keys[layer].to(device))
             self.values[layer].index_copy_(0, index, values[layer].to(device))
 
+    def write_entries(self, block_ids: list[int], entries: list[torch.Tensor]) -> None:
+        """Overwrite whole blocks from tier entries, each [num_layers, 2 (keys, values), block_size,
+        num_kv_heads, head_dim] on any device: two copies per block, every layer at once (a
+        prefix restored from a tier moves at the speed of its bytes)."""
+        for block, entry in zip(block_ids, entries):
+            self.all_keys[:, block].copy_(entry[:, 0])
+            self.all_values[:, block].copy_(entry[:, 1])
+
+    def read_entry(self, block: int) -> torch.Tensor:
+        """A copy of one block as a tier entry: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
+        return torch.stack([self.all_keys[:, block], self.all_values[:, block]], dim=1)
+
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's blocks in order: keys, values [len(block_table) * block_size, num_kv_heads, head_dim]."""
         keys, values = self.keys[layer][block_table], self.values[layer][block_table]
@@ -77,9 +89,8 @@ class PagedKVStorage:
 
     def zero(self, block_ids: list[int]) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.keys[0].device)
-        for keys, values in zip(self.keys, self.values):
-            keys.index_fill_(0, index, 0)
-            values.index_fill_(0, index, 0)
+        self.all_keys.index_fill_(1, index, 0)  # every layer in one call
+        self.all_values.index_fill_(1, index, 0)
 
     def nbytes(self) -> int:
         return sum(tensor.nbytes for tensor in (*self.keys, *self.values))

@@ -8,6 +8,8 @@ Tiers count what happens to them in `TierStats`, which the server exports as met
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +34,7 @@ class TierStats:
 class Tier(ABC):
     name: str
     shared = False  # True: other servers read it too (Redis), so computed blocks are worth publishing
+    lends = False  # True: `borrow` lends its own memory (host RAM), which callers must not zero
 
     def __init__(self):
         self.stats = TierStats()
@@ -44,6 +47,17 @@ class Tier(ABC):
     @abstractmethod
     def put(self, key: bytes, block: torch.Tensor) -> bool:
         """Store a block; False when the tier declines (full, down). Never raises for those."""
+
+    def get_many(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """`get` for each key, in order; a tier with round trips to save batches them (Redis)."""
+        return [self.get(key) for key in keys]
+
+    @contextmanager
+    def borrow(self, keys: Sequence[bytes]) -> Iterator[list[torch.Tensor | None]]:
+        """The blocks under `keys` (None where absent), valid inside the `with`: a tier that holds
+        blocks in memory lends them without a copy and keeps them from eviction meanwhile (host);
+        the others hand over what `get_many` read."""
+        yield self.get_many(keys)
 
     @abstractmethod
     def exists(self, key: bytes) -> bool: ...

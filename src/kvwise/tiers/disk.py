@@ -125,7 +125,7 @@ class DiskTier(Tier):
         self.stats.gets += 1
         path = self.path(key)
         try:
-            payload = path.read_bytes()
+            payload = _read_into_bytearray(path)  # the block's tensor keeps this memory: no copy
         except FileNotFoundError:
             return None
         except OSError as error:
@@ -195,3 +195,11 @@ class DiskTier(Tier):
             return path.stat().st_size
         except FileNotFoundError:
             return 0
+
+
+def _read_into_bytearray(path: Path) -> bytearray:
+    with open(path, "rb", buffering=0) as handle:
+        size = os.fstat(handle.fileno()).st_size
+        payload = bytearray(size)
+        read = handle.readinto(payload)
+    return payload if read == size else payload[:read]  # a file cut short meanwhile: its checksum fails

@@ -29,11 +29,13 @@ class CorruptBlock(ValueError):
     """The bytes are not a valid block for this key."""
 
 
-def _checksum(key: bytes, data: bytes, mac_key: bytes | None) -> str:
+def _checksum(key: bytes, data: bytes | memoryview, mac_key: bytes | None) -> str:
     """Keyed (HMAC-SHA256 over the block key and data) when a MAC key is given, so nobody without
     it can write an entry that verifies; else an unkeyed BLAKE2b that catches damage only."""
     if mac_key:
-        return hmac.new(mac_key, key + data, hashlib.sha256).hexdigest()
+        mac = hmac.new(mac_key, key, hashlib.sha256)
+        mac.update(data)  # the data is not copied onto the key first
+        return mac.hexdigest()
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
@@ -63,9 +65,12 @@ def encode_block(key: bytes, block: torch.Tensor, mac_key: bytes | Sequence[byte
     return _PREFIX.pack(MAGIC, VERSION, len(header_bytes)) + header_bytes + data
 
 
-def decode_block(key: bytes, payload: bytes, mac_key: bytes | Sequence[bytes] | None = None) -> torch.Tensor:
+def decode_block(
+    key: bytes, payload: bytes | bytearray, mac_key: bytes | Sequence[bytes] | None = None
+) -> torch.Tensor:
     """The tensor in `payload`; raises CorruptBlock if anything does not add up. mac_key: one key,
-    or a list during a rotation: an entry signed with any of them verifies."""
+    or a list during a rotation: an entry signed with any of them verifies. A bytearray payload
+    (a file read into one) becomes the tensor's memory, without a copy; bytes are copied."""
     if len(payload) < _PREFIX.size:
         raise CorruptBlock("too short for a block header")
     magic, version, header_length = _PREFIX.unpack_from(payload)
@@ -83,14 +88,18 @@ def decode_block(key: bytes, payload: bytes, mac_key: bytes | Sequence[bytes] | 
         raise CorruptBlock(f"bad shape {shape!r}")
     if header.get("key") != key.hex():
         raise CorruptBlock("the block was written for another key")
-    data = payload[_PREFIX.size + header_length :]
+    start = _PREFIX.size + header_length
+    data = memoryview(payload)[start:]
     checksum = str(header.get("checksum"))
     if not any(hmac.compare_digest(_checksum(key, data, one), checksum) for one in _verifying_keys(mac_key)):
         raise CorruptBlock("checksum mismatch")
     expected = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
     if len(data) != expected or dtype.is_complex or dtype in (torch.bool,) or not data:
         raise CorruptBlock(f"{len(data)} data bytes for shape {shape} of {dtype}")
+    writable = payload if isinstance(payload, bytearray) else bytearray(data)
+    offset = start if writable is payload else 0
     try:
-        return torch.frombuffer(bytearray(data), dtype=torch.uint8).view(dtype).reshape(shape)
+        raw = torch.frombuffer(writable, dtype=torch.uint8, offset=offset, count=len(data))
+        return raw.view(dtype).reshape(shape)
     except (RuntimeError, ValueError) as error:  # whatever bytes a forger wrote: a miss, never a crash
         raise CorruptBlock(f"cannot read the data as {dtype}{list(shape)}: {error}") from None

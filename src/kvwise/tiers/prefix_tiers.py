@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -117,48 +117,92 @@ class PrefixTiers:
         blocks and inserted in the tree (which holds them); returns their nodes. The caller locks
         the nodes before `first` (`extend` does). A tenant at its prefix quota gets no more than
         its headroom.
+
+        Each tier is asked once for the whole run (Redis in one round trip), and what the host tier
+        lends is copied straight into the device pool: one copy of the bytes, two calls per block.
         """
         headroom = self.tree.quota(namespace.tenant) - self.tree.usage[namespace.tenant]
         wanted = min(usable_blocks - first, headroom)
         if not self.tiers or wanted <= 0:
             return []
         prefix = tokens[: usable_blocks * self.block_size]
-        keys = chain_keys(prefix, self.block_size, namespace)
-        retired_chains = None
-        found = []
-        for index in range(first, first + int(wanted)):
-            fetched = self.fetch(keys[index])
-            if fetched is None and self.retired_secrets:
-                if retired_chains is None:  # at the first miss only: rotations are rare
-                    retired_chains = [
-                        chain_keys(prefix, self.block_size, namespace.with_secret(secret))
-                        for secret in self.retired_secrets
-                    ]
-                fetched = next(filter(None, (self.fetch(chain[index]) for chain in retired_chains)), None)
-            if fetched is None:
-                break
-            found.append(fetched)
-        if not found:
-            return []
-        device = self.storage.keys[0].device
-        # copied before making room: the evictions below spill to the tiers, and a tier may evict
-        # (and zero) the very entries just fetched
-        data = torch.stack([block for _, block in found]).to(device)  # [n, layers, 2, block_size, heads, dim]
-        found = found[: self._room_for(len(found))]
-        if not found:
-            data.zero_()
-            return []
-        data = data[: len(found)]
-        blocks = self.pool.allocate(len(found))  # after the copy: nothing below can fail halfway
-        # data [n, layers, 2, ...] -> keys, values [layers, n, block_size, heads, dim]
-        self.storage.write_blocks(blocks, data[:, :, 0].transpose(0, 1), data[:, :, 1].transpose(0, 1))
-        end = (first + len(found)) * self.block_size
+        keys = chain_keys(prefix, self.block_size, namespace)[first : first + int(wanted)]
+        with ExitStack() as lent:
+            found = self._find_run(keys, prefix, namespace, first, lent)
+            if not found:
+                return []
+            # room is made while the host's entries are lent: the evictions below spill to the
+            # tiers, which must not evict (and zero) what is about to be read
+            count = self._room_for(len(found))
+            if not count:
+                return []
+            blocks = self.pool.allocate(count)
+            self.storage.write_entries(blocks, [block for _, block in found[:count]])
+            for name, block in found:  # what a tier read for us (not lent) leaves no KV behind
+                if not self._lends(name):
+                    block.zero_()
+        end = (first + count) * self.block_size
         path = self.tree.insert(tokens[:end], [-1] * first + blocks, namespace)
         self.pool.release(blocks)  # the tree holds the blocks it kept
         promoted = path[first:]
         for (tier_name, _), _node in zip(found, promoted):
             self.stats.hits_tokens[tier_name] += self.block_size
         return promoted
+
+    def _find_run(self, keys: list[bytes], prefix, namespace: Namespace, first: int, lent: ExitStack) -> list:
+        """[(tier name, block)] for keys[0..] up to the first that no tier has, each from the
+        first tier that has it; blocks lent by a tier stay valid until `lent` closes."""
+        found: list = [None] * len(keys)
+        for tier in self.tiers:
+            missing = [index for index, hit in enumerate(found) if hit is None]
+            if not missing:
+                break
+            blocks = self._borrow(tier, [keys[index] for index in missing], lent)
+            for index, block in zip(missing, blocks):
+                if block is not None:
+                    found[index] = (tier.name, block)
+        run = next((index for index, hit in enumerate(found) if hit is None), len(found))
+        if run < len(found) and self.retired_secrets:  # rotations are rare: block by block from here
+            retired = [
+                chain_keys(prefix, self.block_size, namespace.with_secret(secret)) for secret in self.retired_secrets
+            ]
+            while run < len(found):
+                hit = next(filter(None, (self.fetch(chain[first + run]) for chain in retired)), None)
+                if hit is None:
+                    break
+                found[run] = hit
+                run += 1
+        return found[:run]
+
+    def _lends(self, tier_name: str) -> bool:
+        return any(tier.lends for tier in self.tiers if tier.name == tier_name)
+
+    def _borrow(self, tier: Tier, keys: list[bytes], lent: ExitStack) -> list:
+        """`tier.borrow(keys)` held open by `lent`; a block of another geometry is deleted (a
+        checkpoint swapped in place); a tier that raises misses."""
+        corrupt_before, errors_before = tier.stats.corrupt, tier.stats.errors
+        started = time.perf_counter()
+        try:
+            with self._timed():
+                blocks = lent.enter_context(tier.borrow(keys))
+        except Exception as error:  # any failure is a miss here
+            tier.stats.errors += 1
+            tier.last_error = f"{type(error).__name__}: {error}"
+            blocks = [None] * len(keys)
+        fitting = []
+        for key, block in zip(keys, blocks):
+            if block is not None and not self._fits(block):
+                tier.stats.corrupt += 1
+                with self._timed():
+                    tier.delete(key)
+                block = None
+            fitting.append(block)
+        hits = sum(block is not None for block in fitting)
+        if hits:
+            self.restore_seconds[tier.name] += time.perf_counter() - started
+            self.restored_blocks[tier.name] += hits
+        self.stats.recomputed_blocks += (tier.stats.corrupt - corrupt_before) + (tier.stats.errors - errors_before)
+        return fitting
 
     def _room_for(self, count: int) -> int:
         """Device blocks, up to `count`, that can be had from free blocks and unlocked cached prefixes."""
@@ -263,5 +307,4 @@ class PrefixTiers:
 
     def block_tensor(self, block: int) -> torch.Tensor:
         """[num_layers, 2, block_size, num_kv_heads, head_dim] copy of a device block."""
-        keys, values = self.storage.read_blocks([block])  # [num_layers, 1, block_size, num_kv_heads, head_dim]
-        return torch.stack([keys[:, 0], values[:, 0]], dim=1)
+        return self.storage.read_entry(block)

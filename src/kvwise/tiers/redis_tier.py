@@ -216,6 +216,10 @@ class RedisTier(Tier):
     def encrypted(self) -> bool:
         return bool(self._keys.ciphers)
 
+    def entry_name(self, key: bytes) -> bytes:
+        """The Redis key a block is stored under (for tools that read the raw entries)."""
+        return self._name(key)
+
     def _name(self, key: bytes) -> bytes:
         return self.prefix.encode() + key.hex().encode()
 
@@ -329,7 +333,31 @@ class RedisTier(Tier):
                 return None
             value = b""
         self._answered()
+        return self._decoded(key, name, value)
+
+    def get_many(self, keys: Sequence[bytes]) -> list[torch.Tensor | None]:
+        """`get` for each key in one round trip (a pipeline)."""
+        if len(keys) < 2 or self._resting():
+            return [self.get(key) for key in keys]
+        self.stats.gets += len(keys)
+        names = [self._name(key) for key in keys]
+        pipeline = self.client.pipeline(transaction=False)
+        for name in names:
+            pipeline.get(name)
+        try:
+            values = pipeline.execute(raise_on_error=False)
+        except self._errors as error:
+            self._failed(error)
+            return [None] * len(keys)
+        self._answered()
+        return [self._decoded(key, name, value) for key, name, value in zip(keys, names, values)]
+
+    def _decoded(self, key: bytes, name: bytes, value) -> torch.Tensor | None:
+        """A pipelined GET's answer as a block; None when absent, corrupt (deleted) or an error."""
         if value is None:
+            return None
+        if isinstance(value, Exception) and not str(value).startswith("WRONGTYPE"):
+            self._failed(value)
             return None
         try:
             if not isinstance(value, bytes):

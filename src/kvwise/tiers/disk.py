@@ -64,7 +64,7 @@ class DiskTier(Tier):
         encryption_key=None,
         mac_key: bytes | None = None,
     ):
-        """mac_key: keys each file's checksum (HMAC-SHA256), so files written by anyone without it
+        """mac_key: keys each file's checksum (keyed BLAKE3), so files written by anyone without it
         fail; encryption (AES-GCM) authenticates them too. Either may be a list during a key
         rotation: the first writes, every one reads (`set_keys` swaps them at run time)."""
         super().__init__()

@@ -2,26 +2,27 @@
 
     magic "KVWB" | version u16 | header length u32 | header JSON | data
 
-The header holds the block key (hex), shape, dtype and a checksum of the data (an HMAC when the
-tier has a MAC key), so a file that was truncated, bit-flipped, forged or written for another key
+The header holds the block key (hex), shape, dtype and a BLAKE3 checksum of the data (keyed, a
+MAC, when the tier has a MAC key), so a file that was truncated, bit-flipped, forged or written for another key
 is detected on read. Whatever bytes it is given, `decode_block` returns a block or raises
 CorruptBlock, nothing else.
 """
 
 from __future__ import annotations
 
-import hashlib
 import hmac
 import json
 import struct
 from collections.abc import Sequence
+from functools import lru_cache
 
+import blake3
 import torch
 
 MAGIC = b"KVWB"
-# 2: compressed documents (head regions) travel in the same payload; an entry of version 1 (from
-# a kvwise that did not know them) is a miss, read again from the model
-VERSION = 2
+# 2: compressed documents (head regions) travel in the same payload; 3: BLAKE3 checksums (MACs at
+# memory speed). An entry of an older version is a miss, read again from the model
+VERSION = 3
 _PREFIX = struct.Struct("<4sHI")
 
 
@@ -30,13 +31,19 @@ class CorruptBlock(ValueError):
 
 
 def _checksum(key: bytes, data: bytes | memoryview, mac_key: bytes | None) -> str:
-    """Keyed (HMAC-SHA256 over the block key and data) when a MAC key is given, so nobody without
-    it can write an entry that verifies; else an unkeyed BLAKE2b that catches damage only."""
-    if mac_key:
-        mac = hmac.new(mac_key, key, hashlib.sha256)
-        mac.update(data)  # the data is not copied onto the key first
-        return mac.hexdigest()
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
+    """BLAKE3 over the block key and data: keyed (a MAC) when a MAC key is given, so nobody without
+    it can write an entry that verifies; else unkeyed, which catches damage only. BLAKE3 runs at
+    several GB/s on one core, so verifying a restored block costs about a copy of it."""
+    digest = blake3.blake3(key=_mac_key32(mac_key)) if mac_key else blake3.blake3()
+    digest.update(key)
+    digest.update(data)  # not copied onto the key first
+    return digest.hexdigest()
+
+
+@lru_cache(maxsize=16)
+def _mac_key32(mac_key: bytes) -> bytes:
+    """BLAKE3's keyed mode takes 32 bytes: derived from a MAC key of any length."""
+    return blake3.blake3(mac_key, derive_key_context="kvwise tier entry MAC 2026-12").digest()
 
 
 def _signing_key(mac_keys: bytes | Sequence[bytes] | None) -> bytes | None:

@@ -95,8 +95,10 @@ class PrefixReuse:
         cache = DynamicCache(config=self.model.config)
         if nodes:
             table = torch.tensor([node.block for node in nodes], device=self.model.device)
+            # every layer's blocks in one gather each: [layers, blocks, block_size, kv_heads, head_dim]
+            all_keys, all_values = self.storage.all_keys[:, table], self.storage.all_values[:, table]
             for layer in range(self.num_layers):
-                keys, values = self.storage.gather(layer, table)  # [tokens, kv_heads, head_dim]
+                keys, values = all_keys[layer].flatten(0, 1), all_values[layer].flatten(0, 1)  # [tokens, heads, dim]
                 cache.update(keys.transpose(0, 1)[None], values.transpose(0, 1)[None], layer)
         return cache, len(nodes) * self.block_size
 

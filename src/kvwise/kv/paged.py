@@ -31,9 +31,10 @@ class PagedKVStorage:
     ):
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
         self.block_size = block_size
-        # one tensor for all layers, so that a cell index (`cells`) can name any layer's token
-        self.all_keys = torch.zeros(shape, dtype=dtype, device=device)
-        self.all_values = torch.zeros(shape, dtype=dtype, device=device)
+        # one tensor for all layers, so that a cell index (`cells`) can name any layer's token, and
+        # keys and values side by side in one more, so that a whole block moves in one copy
+        self._kv = torch.zeros((2, *shape), dtype=dtype, device=device)
+        self.all_keys, self.all_values = self._kv[0], self._kv[1]
         self.keys, self.values = list(self.all_keys.unbind(0)), list(self.all_values.unbind(0))
 
     def attach(self, pool: BlockPool) -> None:
@@ -66,15 +67,14 @@ class PagedKVStorage:
 
     def write_entries(self, block_ids: list[int], entries: list[torch.Tensor]) -> None:
         """Overwrite whole blocks from tier entries, each [num_layers, 2 (keys, values), block_size,
-        num_kv_heads, head_dim] on any device: two copies per block, every layer at once (a
-        prefix restored from a tier moves at the speed of its bytes)."""
+        num_kv_heads, head_dim] on any device: one copy per block, keys and values of every layer
+        at once (a prefix restored from a tier moves at the speed of its bytes)."""
         for block, entry in zip(block_ids, entries):
-            self.all_keys[:, block].copy_(entry[:, 0])
-            self.all_values[:, block].copy_(entry[:, 1])
+            self._kv[:, :, block].copy_(entry.transpose(0, 1))  # [2, layers, ...] <- [layers, 2, ...]
 
     def read_entry(self, block: int) -> torch.Tensor:
         """A copy of one block as a tier entry: [num_layers, 2, block_size, num_kv_heads, head_dim]."""
-        return torch.stack([self.all_keys[:, block], self.all_values[:, block]], dim=1)
+        return self._kv[:, :, block].transpose(0, 1).contiguous()
 
     def gather(self, layer: int, block_table: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """A sequence's blocks in order: keys, values [len(block_table) * block_size, num_kv_heads, head_dim]."""
@@ -89,8 +89,7 @@ class PagedKVStorage:
 
     def zero(self, block_ids: list[int]) -> None:
         index = torch.tensor(block_ids, dtype=torch.long, device=self.keys[0].device)
-        self.all_keys.index_fill_(1, index, 0)  # every layer in one call
-        self.all_values.index_fill_(1, index, 0)
+        self._kv.index_fill_(2, index, 0)  # keys and values of every layer in one call
 
     def nbytes(self) -> int:
         return sum(tensor.nbytes for tensor in (*self.keys, *self.values))

@@ -20,6 +20,7 @@ import secrets
 import tempfile
 from pathlib import Path
 
+import numpy
 import torch
 
 from kvwise.tiers.base import Tier
@@ -125,7 +126,7 @@ class DiskTier(Tier):
         self.stats.gets += 1
         path = self.path(key)
         try:
-            payload = _read_into_bytearray(path)  # the block's tensor keeps this memory: no copy
+            payload = _read_into_buffer(path)  # the block's tensor keeps this memory: no copy
         except FileNotFoundError:
             return None
         except OSError as error:
@@ -197,9 +198,10 @@ class DiskTier(Tier):
             return 0
 
 
-def _read_into_bytearray(path: Path) -> bytearray:
+def _read_into_buffer(path: Path) -> memoryview:
+    """The file's bytes in a fresh, writable buffer (not zero-filled first: it is read over)."""
     with open(path, "rb", buffering=0) as handle:
         size = os.fstat(handle.fileno()).st_size
-        payload = bytearray(size)
+        payload = memoryview(numpy.empty(size, dtype=numpy.uint8))
         read = handle.readinto(payload)
     return payload if read == size else payload[:read]  # a file cut short meanwhile: its checksum fails

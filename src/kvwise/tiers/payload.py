@@ -73,18 +73,18 @@ def encode_block(key: bytes, block: torch.Tensor, mac_key: bytes | Sequence[byte
 
 
 def decode_block(
-    key: bytes, payload: bytes | bytearray, mac_key: bytes | Sequence[bytes] | None = None
+    key: bytes, payload: bytes | bytearray | memoryview, mac_key: bytes | Sequence[bytes] | None = None
 ) -> torch.Tensor:
     """The tensor in `payload`; raises CorruptBlock if anything does not add up. mac_key: one key,
-    or a list during a rotation: an entry signed with any of them verifies. A bytearray payload
-    (a file read into one) becomes the tensor's memory, without a copy; bytes are copied."""
+    or a list during a rotation: an entry signed with any of them verifies. A writable payload (a
+    file read into a buffer) becomes the tensor's memory, without a copy; bytes are copied."""
     if len(payload) < _PREFIX.size:
         raise CorruptBlock("too short for a block header")
     magic, version, header_length = _PREFIX.unpack_from(payload)
     if magic != MAGIC or version != VERSION:
         raise CorruptBlock(f"not a kvwise block (magic {magic!r}, version {version})")
     try:
-        header = json.loads(payload[_PREFIX.size : _PREFIX.size + header_length])
+        header = json.loads(bytes(payload[_PREFIX.size : _PREFIX.size + header_length]))
         dtype = getattr(torch, str(header["dtype"]), None)
         shape = tuple(header["shape"])
     except (ValueError, KeyError, TypeError, AttributeError, RecursionError) as error:
@@ -103,8 +103,8 @@ def decode_block(
     expected = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
     if len(data) != expected or dtype.is_complex or dtype in (torch.bool,) or not data:
         raise CorruptBlock(f"{len(data)} data bytes for shape {shape} of {dtype}")
-    writable = payload if isinstance(payload, bytearray) else bytearray(data)
-    offset = start if writable is payload else 0
+    in_place = not memoryview(payload).readonly
+    writable, offset = (payload, start) if in_place else (bytearray(data), 0)
     try:
         raw = torch.frombuffer(writable, dtype=torch.uint8, offset=offset, count=len(data))
         return raw.view(dtype).reshape(shape)

@@ -138,8 +138,8 @@ class PrefixTiers:
                 return []
             blocks = self.pool.allocate(count)
             self.storage.write_entries(blocks, [block for _, block in found[:count]])
-            for name, block in found:  # what a tier read for us (not lent) leaves no KV behind
-                if not self._lends(name):
+            for name, block in found:  # plaintext only this process held (decrypted) leaves no KV behind
+                if self._decrypts(name):
                     block.zero_()
         end = (first + count) * self.block_size
         path = self.tree.insert(tokens[:end], [-1] * first + blocks, namespace)
@@ -174,8 +174,12 @@ class PrefixTiers:
                 run += 1
         return found[:run]
 
-    def _lends(self, tier_name: str) -> bool:
-        return any(tier.lends for tier in self.tiers if tier.name == tier_name)
+    def _decrypts(self, tier_name: str) -> bool:
+        """Whether blocks read from that tier were decrypted here (an unencrypted entry's bytes
+        sit in the OS page cache or Redis anyway; zeroing our copy of them would hide nothing)."""
+        return any(
+            getattr(tier, "encrypted", False) and not tier.lends for tier in self.tiers if tier.name == tier_name
+        )
 
     def _borrow(self, tier: Tier, keys: list[bytes], lent: ExitStack) -> list:
         """`tier.borrow(keys)` held open by `lent`; a block of another geometry is deleted (a

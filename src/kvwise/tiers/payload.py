@@ -73,11 +73,16 @@ def encode_block(key: bytes, block: torch.Tensor, mac_key: bytes | Sequence[byte
 
 
 def decode_block(
-    key: bytes, payload: bytes | bytearray | memoryview, mac_key: bytes | Sequence[bytes] | None = None
+    key: bytes,
+    payload: bytes | bytearray | memoryview,
+    mac_key: bytes | Sequence[bytes] | None = None,
+    authenticated: bool = False,
 ) -> torch.Tensor:
     """The tensor in `payload`; raises CorruptBlock if anything does not add up. mac_key: one key,
     or a list during a rotation: an entry signed with any of them verifies. A writable payload (a
-    file read into a buffer) becomes the tensor's memory, without a copy; bytes are copied."""
+    file read into a buffer) becomes the tensor's memory, without a copy; bytes are copied.
+    authenticated: the caller verified a MAC over the whole payload (Redis's tag, AES-GCM), so the
+    checksum is not computed again."""
     if len(payload) < _PREFIX.size:
         raise CorruptBlock("too short for a block header")
     magic, version, header_length = _PREFIX.unpack_from(payload)
@@ -98,7 +103,9 @@ def decode_block(
     start = _PREFIX.size + header_length
     data = memoryview(payload)[start:]
     checksum = str(header.get("checksum"))
-    if not any(hmac.compare_digest(_checksum(key, data, one), checksum) for one in _verifying_keys(mac_key)):
+    if not authenticated and not any(
+        hmac.compare_digest(_checksum(key, data, one), checksum) for one in _verifying_keys(mac_key)
+    ):
         raise CorruptBlock("checksum mismatch")
     expected = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
     if len(data) != expected or dtype.is_complex or dtype in (torch.bool,) or not data:

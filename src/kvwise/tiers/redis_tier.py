@@ -250,7 +250,7 @@ class RedisTier(Tier):
                 except (_invalid_tag(), ValueError):  # ValueError: a value too short to hold a nonce
                     continue
             raise CorruptBlock("AES-GCM authentication failed")
-        tag, payload = value[:TAG_BYTES], value[TAG_BYTES:]
+        tag, payload = value[:TAG_BYTES], memoryview(value)[TAG_BYTES:]  # a view: no copy of the block
         if any(hmac.compare_digest(tag, _tag(key, name, payload)) for key in keys.hmac_keys):
             return payload
         raise CorruptBlock("HMAC tag mismatch")
@@ -372,7 +372,8 @@ class RedisTier(Tier):
         try:
             if not isinstance(value, bytes):
                 raise CorruptBlock(f"Redis returned {type(value).__name__}, not bytes")
-            block = decode_block(key, self._open(name, value))
+            # the tag or the GCM tag has authenticated the payload: its own checksum would be a second pass
+            block = decode_block(key, self._open(name, value), authenticated=True)
         except CorruptBlock:
             self.stats.corrupt += 1
             self.delete(key)

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import importlib
 import re
+from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 
 
@@ -183,20 +186,27 @@ def add_isolation_parser(workloads) -> None:
         "--hit-probes", type=int, default=None, help="concurrent probes per mode that count cross-tenant hits (1000)"
     )
     isolation.add_argument("--seed", type=int, default=None)
-    isolation.add_argument("--flood-only", action="store_true", help="only the flood test, no timing probes")
+    isolation.add_argument(
+        "--flood-only", dest="probes", action="store_false", default=None, help="only the flood test, no timing probes"
+    )
 
 
 def add_load_parser(workloads) -> None:
     load = workloads.add_parser("load", help="concurrent streaming clients with hang-ups against a live server")
     _model_out_quick(load, "16 clients for 15 s")
     load.add_argument("--clients", type=int, default=None, help="concurrent streaming clients (default 64)")
-    load.add_argument("--duration", type=float, default=None, help="seconds of load (default 60)")
+    load.add_argument(
+        "--duration", dest="duration_seconds", type=float, default=None, help="seconds of load (default 60)"
+    )
     load.add_argument("--hangup-fraction", type=float, default=None, help="streams that hang up early (0.25)")
     load.add_argument(
         "--cancel-fraction", type=float, default=None, help="requests that give up before their first token (0.1)"
     )
     load.add_argument(
-        "--tier-faults", action="store_true", help="spill to a disk tier and corrupt, truncate and fill it meanwhile"
+        "--tier-faults",
+        action="store_true",
+        default=None,
+        help="spill to a disk tier and corrupt, truncate and fill it meanwhile",
     )
     load.add_argument("--num-blocks", type=int, default=None, help="KV pool blocks (default: the server's)")
 
@@ -241,12 +251,9 @@ def _adaptive(args) -> None:
         spec.proportions = tuple(args.mix)
     _override(spec, args, ("requests", "seed", "haystack_dir", "needle", "question", "answer_prefix"))
     config = AdaptiveBenchConfig(workload=spec, model=args.model)
-    _as_tuple(args, "systems")
-    _as_tuple(args, "budgets")
     _override(config, args, ("systems", "budgets", "rate", "repeats", "quality", "profile"))
     run_adaptive_bench(config, args.out, resume=not args.no_resume)
-    print((args.out / "adaptive.md").read_text())
-    print(f"wrote {args.out / 'adaptive.json'}")
+    _print_report(args.out, "adaptive")
 
 
 def add_cluster_parser(workloads) -> None:
@@ -276,85 +283,110 @@ def _cluster(args) -> None:
     from kvwise.util.extras import require
 
     require("ray.serve", "cluster", "kvwise bench cluster")
-    from kvwise.bench.cluster import ClusterConfig, run_cluster_bench
+    _run_table_bench(TABLE["cluster"], args)
 
-    config = ClusterConfig(model=args.model, redis_url=args.redis_url)
+
+@dataclass(frozen=True)
+class TableBench:
+    """A bench whose front is all alike: a config from its flags, a quick variant, a run, a report.
+
+    `config` and `run` are `module:name` in `kvwise.bench`, imported only when the bench runs (a
+    bench's module may need an extra). `flags` are the config fields a flag of the same name sets
+    when given; `quick` the fields `--quick` sets first."""
+
+    config: str
+    run: str
+    quick: Mapping[str, object]
+    flags: tuple[str, ...]
+
+
+TABLE = {
+    "load": TableBench(
+        "load:LoadConfig",
+        "load:run_load",
+        {"clients": 16, "duration_seconds": 15.0},
+        ("clients", "duration_seconds", "hangup_fraction", "cancel_fraction", "num_blocks", "tier_faults"),
+    ),
+    "isolation": TableBench(
+        "isolation:IsolationConfig",
+        "isolation:run_isolation",
+        {"trials": 20, "prefix_tokens": 256, "victim_repeats": 4, "hit_probes": 256},
+        ("trials", "prefix_tokens", "modes", "hit_probes", "seed", "probes"),
+    ),
+    "rag": TableBench(
+        "rag:RagConfig",
+        "rag:run_rag",
+        {
+            "requests": 8,
+            "documents": 3,
+            "document_tokens": (300, 600),
+            "system_prompt_tokens": 200,
+            "question_tokens": (20, 60),
+            "output_tokens": 8,
+        },
+        ("dtype", "requests", "concurrency", "systems", "compress"),
+    ),
+    "throughput": TableBench(
+        "throughput:ThroughputConfig",
+        "throughput:run_throughput",
+        {"requests": 8, "min_prompt": 64, "max_prompt": 128, "new_tokens": 16},
+        ("dtype", "requests", "systems", "mix"),
+    ),
+    "reuse": TableBench(
+        "reuse:ReuseConfig",
+        "reuse:run_reuse",
+        {"tree_blocks": 20_000, "requests": 8, "restore_tokens": 1000},
+        ("requests", "redis_url"),
+    ),
+    "cluster": TableBench(
+        "cluster:ClusterConfig",
+        "cluster:run_cluster_bench",
+        {"requests": 40, "documents": 6, "document_tokens": (800, 1200)},
+        ("redis_url", "replicas", "requests", "concurrency", "systems", "seed", "cache_share"),
+    ),
+}
+
+
+def _run_table_bench(bench: TableBench, args) -> None:
+    config = _bench_attribute(bench.config)()
     if args.quick:
-        config.requests, config.documents, config.document_tokens = 40, 6, (800, 1200)
-    _as_tuple(args, "systems")
-    _override(config, args, ("replicas", "requests", "concurrency", "systems", "seed", "cache_share"))
-    _run_and_print(run_cluster_bench, config, args.out, "cluster")
+        for field, value in bench.quick.items():
+            setattr(config, field, value)
+    _override(config, args, ("model", *bench.flags))
+    run = _bench_attribute(bench.run)
+    run(config, args.out)
+    _print_report(args.out, args.workload)
+
+
+def _print_report(out: Path, name: str) -> None:
+    print((out / f"{name}.md").read_text())
+    print(f"wrote {out / f'{name}.json'}")
+
+
+def _bench_attribute(path: str):
+    module, name = path.split(":")
+    return getattr(importlib.import_module(f"kvwise.bench.{module}"), name)
 
 
 def run_bench(args) -> None:
-    commands = {"niah": _niah, "ppl": _ppl, "reuse": _reuse, "throughput": _throughput, "rag": _rag}
-    commands["cluster"] = _cluster
-    commands["isolation"], commands["load"], commands["adaptive"] = _isolation, _load, _adaptive
-    commands[args.workload](args)
-
-
-def _load(args) -> None:
-    from kvwise.bench.load import LoadConfig, run_load
-
-    config = LoadConfig(model=args.model)
-    if args.quick:
-        config.clients, config.duration_seconds = 16, 15.0
-    args.duration_seconds = args.duration
-    config.tier_faults = args.tier_faults
-    _override(config, args, ("clients", "duration_seconds", "hangup_fraction", "cancel_fraction", "num_blocks"))
-    _run_and_print(run_load, config, args.out, "load")
-
-
-def _isolation(args) -> None:
-    from kvwise.bench.isolation import IsolationConfig, run_isolation
-
-    config = IsolationConfig(model=args.model)
-    if args.quick:
-        config.trials, config.prefix_tokens, config.victim_repeats, config.hit_probes = 20, 256, 4, 256
-    _as_tuple(args, "modes")
-    _override(config, args, ("trials", "prefix_tokens", "modes", "hit_probes", "seed"))
-    config.probes = not args.flood_only
-    _run_and_print(run_isolation, config, args.out, "isolation")
-
-
-def _rag(args) -> None:
-    from kvwise.bench.rag import RagConfig, run_rag
-
-    config = RagConfig(model=args.model, dtype=args.dtype)
-    if args.quick:
-        config.requests, config.documents, config.document_tokens = 8, 3, (300, 600)
-        config.system_prompt_tokens, config.question_tokens, config.output_tokens = 200, (20, 60), 8
-    _as_tuple(args, "systems")
-    _override(config, args, ("requests", "concurrency", "systems", "compress"))
-    _run_and_print(run_rag, config, args.out, "rag")
-
-
-def _throughput(args) -> None:
-    from kvwise.bench.throughput import ThroughputConfig, run_throughput
-
-    config = ThroughputConfig(model=args.model, dtype=args.dtype)
-    if args.quick:
-        config.requests, config.min_prompt, config.max_prompt, config.new_tokens = 8, 64, 128, 16
-    _as_tuple(args, "systems")
-    _override(config, args, ("requests", "systems", "mix"))
-    _run_and_print(run_throughput, config, args.out, "throughput")
-
-
-def _reuse(args) -> None:
-    from kvwise.bench.reuse import ReuseConfig, run_reuse
-
-    config = ReuseConfig(model=args.model, redis_url=args.redis_url)
-    if args.quick:
-        config.tree_blocks, config.requests, config.restore_tokens = 20_000, 8, 1000
-    _override(config, args, ("requests",))
-    _run_and_print(run_reuse, config, args.out, "reuse")
+    commands = {"niah": _niah, "ppl": _ppl, "adaptive": _adaptive, "cluster": _cluster}
+    command = commands.get(args.workload)
+    if command is not None:
+        command(args)
+    else:
+        _run_table_bench(TABLE[args.workload], args)
 
 
 def _override(config, args, options) -> None:
+    """Set each option the command line gave (None: not given), then validate the config again.
+    A comma-list flag parses to a list; a field that holds a tuple gets a tuple."""
     for option in options:
         value = getattr(args, option)
-        if value is not None:
-            setattr(config, option, value)
+        if value is None:
+            continue
+        if isinstance(value, list) and isinstance(getattr(config, option), tuple):
+            value = tuple(value)
+        setattr(config, option, value)
     config.__post_init__()
 
 
@@ -388,7 +420,7 @@ def _ppl(args) -> None:
     config = PplConfig(model=args.model)
     if args.quick:
         config.tokens, config.budgets, config.policies = 1024, [256], ["streaming_llm", "h2o"]
-        config.mixes, config.peers, config.repeats = ["h2o:256:kivi4"], ["quanto"], 1
+        config.mixes, config.peers, config.repeats = ["h2o@max=256+kivi4"], ["quanto"], 1
     options = ("tokens", "chunk", "quants", "policies", "budgets", "mixes", "peers", "dtype", "haystack_dir", "repeats")
     _override(config, args, options)
     report = run_ppl(config, args.out, resume=not args.no_resume)
@@ -401,16 +433,3 @@ def _model_out_quick(parser, quick_help: str) -> None:
     parser.add_argument("--model", default=None)
     parser.add_argument("--out", type=Path, default=Path("results"))
     parser.add_argument("--quick", action="store_true", help=quick_help)
-
-
-def _run_and_print(run, config, out: Path, name: str) -> None:
-    """Run a bench, then show its table and where its record went."""
-    run(config, out)
-    print((out / f"{name}.md").read_text())
-    print(f"wrote {out / f'{name}.json'}")
-
-
-def _as_tuple(args, name: str) -> None:
-    """A comma-list flag as the tuple its config field holds (None: the config's default)."""
-    if getattr(args, name) is not None:
-        setattr(args, name, tuple(getattr(args, name)))

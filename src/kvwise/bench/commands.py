@@ -57,6 +57,7 @@ def add_bench_parsers(workloads) -> None:
     add_ppl_parser(workloads)
     add_reuse_parser(workloads)
     add_throughput_parser(workloads)
+    add_decode_parser(workloads)
     add_rag_parser(workloads)
     add_isolation_parser(workloads)
     add_load_parser(workloads)
@@ -159,6 +160,21 @@ def add_throughput_parser(workloads) -> None:
         default=None,
         help="a KV mix on every request (e.g. kvzip@0.9): the engine with it, and the library path with and without",
     )
+
+
+def add_decode_parser(workloads) -> None:
+    decode = workloads.add_parser(
+        "decode", help="decode step and attention time across context length, batch, dtype and KV form"
+    )
+    _model_out_quick(decode, "lengths 1000,2000, batches 1,8, float32, full,int8,kivi4,snapkv@0.9, 8 steps")
+    decode.add_argument("--lengths", type=ints, default=None, help="prompt tokens (1000,2000,4000,6000,7500)")
+    decode.add_argument("--batches", type=ints, default=None, help="running requests (1,8)")
+    decode.add_argument("--dtypes", type=names, default=None, help="model dtypes (float32,bfloat16)")
+    decode.add_argument(
+        "--forms", type=specs, default=None, help="KV forms, full first (full,int8,kivi4,kivi2,snapkv@0.9,quest@0.9)"
+    )
+    decode.add_argument("--steps", type=int, default=None, help="timed decode steps per point (16)")
+    decode.add_argument("--warmup", type=int, default=None, help="decode steps before the timed ones (3)")
 
 
 def add_rag_parser(workloads) -> None:
@@ -331,6 +347,17 @@ TABLE = {
         "throughput:run_throughput",
         {"requests": 8, "min_prompt": 64, "max_prompt": 128, "new_tokens": 16},
         ("dtype", "requests", "systems", "mix"),
+    ),
+    "decode": TableBench(
+        "decode:DecodeConfig",
+        "decode:run_decode",
+        {
+            "lengths": (1000, 2000),
+            "dtypes": ("float32",),
+            "forms": ("full", "int8", "kivi4", "snapkv@0.9"),
+            "steps": 8,
+        },
+        ("lengths", "batches", "dtypes", "forms", "steps", "warmup"),
     ),
     "reuse": TableBench(
         "reuse:ReuseConfig",

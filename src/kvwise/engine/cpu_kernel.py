@@ -25,6 +25,7 @@ from pathlib import Path
 from kvwise.util.home import kvwise_home
 
 SOURCES = sorted((Path(__file__).parent / "kernels").glob("*.cpp"))
+HEADERS = sorted((Path(__file__).parent / "kernels").glob("*.h"))  # included by the sources
 FLAGS = ["-O3", "-march=native", "-fopenmp"]  # -fopenmp: at::parallel_for is serial without it
 
 
@@ -36,6 +37,12 @@ def paged_decode_kernel():
 def rows_decode_kernel():
     """`paged_decode_rows(query, keys, values, rows, lengths, scale, softcap)`, or None."""
     return getattr(cpu_kernels(), "paged_decode_rows", None)
+
+
+def quantized_decode_kernel():
+    """`quantized_decode(query, keys, values, tables, lengths, scale, softcap, window, *key_role,
+    *value_role)` (engine/quantized_kernel.py builds the roles), or None."""
+    return getattr(cpu_kernels(), "quantized_decode", None)
 
 
 def small_linear_kernel():
@@ -106,11 +113,12 @@ def _sources_in(build: Path) -> list[Path]:
     folder = build / "sources"
     folder.mkdir(exist_ok=True)
     copies = []
-    for source in SOURCES:
+    for source in (*SOURCES, *HEADERS):
         copy, data = folder / source.name, source.read_bytes()
         if not copy.exists() or copy.read_bytes() != data:
             copy.write_bytes(data)
-        copies.append(copy)
+        if source.suffix == ".cpp":
+            copies.append(copy)
     return copies
 
 
@@ -131,7 +139,7 @@ def _digest(flags: list[str]) -> str:
     import torch
 
     parts = [
-        *(source.read_bytes() for source in SOURCES),
+        *(source.read_bytes() for source in (*SOURCES, *HEADERS)),
         " ".join(flags).encode(),
         _cpu_flags().encode(),
         torch.__version__.encode(),

@@ -4,8 +4,9 @@ A request that asks for a quantizer keeps its shared prefix, its first block (th
 sink) and its newest `residual_length` tokens in the model's dtype; every other full private
 block moves here once its prefill is done: it is quantized whole (a KIVI key group is one block
 of one head), its full-precision block goes back to the device pool (zeroed), and the request's
-block table points at the quantized block instead (`Place.QUANTIZED`). Attention reads such
-blocks back through `read`; the bytes saved are real.
+block table points at the quantized block instead (`Place.QUANTIZED`). On CPU the decode kernel
+reads such blocks where they lie (`kernel_roles`); otherwise attention reads them back through
+`read`. The bytes saved are real.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from kvwise.core.block_pool import BlockPool
+from kvwise.engine.quantized_kernel import kernel_roles
 from kvwise.kv.blocks import QuantizedBlocks
 from kvwise.kv.paged import PagedKVStorage
 from kvwise.kv.quantizer import Quantizer
@@ -35,6 +37,8 @@ class QuantPool:
         self.block_bytes = sum(blocks.nbytes() for blocks in self.layers) // num_blocks
         self.error_sum = {"keys": 0.0, "values": 0.0}
         self.quantized_blocks = 0
+        # per layer, what the CPU decode kernel reads these blocks through in place (None: it cannot)
+        self.kernel_roles = kernel_roles(self.layers)
 
     @property
     def residual_blocks(self) -> int:

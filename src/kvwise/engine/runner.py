@@ -26,7 +26,12 @@ import torch.nn.functional as F
 
 from kvwise.engine.block_table import Place
 from kvwise.engine.compaction import Compaction
-from kvwise.engine.cpu_kernel import paged_decode_kernel, rows_decode_kernel, small_linear_kernel
+from kvwise.engine.cpu_kernel import (
+    paged_decode_kernel,
+    quantized_decode_kernel,
+    rows_decode_kernel,
+    small_linear_kernel,
+)
 from kvwise.engine.cpu_linear import SmallRowLinears
 from kvwise.engine.kv_view import RunnerView
 from kvwise.engine.quant_pool import QuantPool
@@ -66,6 +71,8 @@ class AttentionGroup:
     key_positions: torch.Tensor | None = None
     region_query_positions: torch.Tensor | None = None
     lengths: torch.Tensor | None = None  # [C] int64: CPU-kernel decode group, chunk c sees keys < lengths[c]
+    # CPU-kernel decode group whose tables name blocks of this QuantPool (as -id - 1), read in place
+    quantized: QuantPool | None = None
     rows: RowsDecode | None = None  # CPU-kernel decode group of requests with head regions
     quest: object = None  # one decode chunk whose request reads only its top pages (Quest): the request
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
@@ -146,6 +153,7 @@ class StepLayout:
     compactions: list = field(default_factory=list)  # Compaction, ReconstructionPass: `apply` after each layer
     decode_kernel: object = None  # cpu_kernel.paged_decode_kernel(), for groups with `lengths`
     rows_kernel: object = None  # cpu_kernel.rows_decode_kernel(), for groups with `rows`
+    quantized_kernel: object = None  # cpu_kernel.quantized_decode_kernel(), for groups with `quantized`
     # layer -> [1, T, hidden]: each layer's input, kept when a compaction scores hidden states (kvzap)
     attention_inputs: dict = field(default_factory=dict)
 
@@ -194,7 +202,13 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             tables = group.blocks.view(group.chunks, -1)
             keys, values = storage.keys[layer], storage.values[layer]
             capped, windowed = softcap or 0.0, window or 0
-            outputs.append(layout.decode_kernel(queries, keys, values, tables, group.lengths, scale, capped, windowed))
+            if group.quantized is not None:
+                roles = group.quantized.kernel_roles[layer]
+                kernel = layout.quantized_kernel
+                outputs.append(kernel(queries, keys, values, tables, group.lengths, scale, capped, windowed, *roles))
+            else:
+                kernel = layout.decode_kernel
+                outputs.append(kernel(queries, keys, values, tables, group.lengths, scale, capped, windowed))
             continue
         if group.quest is not None:
             outputs.append(_quest_attend(group, storage, layer, query, scaling, softcap))
@@ -365,6 +379,7 @@ class ModelRunner:
         # sliding-window layers mask region rows by position, which the rows kernel does not do
         windowed = any(window is not None for window in kv_geometry(model).windows)
         self.rows_kernel = rows_decode_kernel() if on_cpu and cpu_kernel and not windowed else None
+        self.quantized_kernel = quantized_decode_kernel() if self.decode_kernel is not None else None
         linear = small_linear_kernel() if on_cpu and cpu_kernel else None
         self.small_row_linears = SmallRowLinears(model, linear) if linear is not None else None
 
@@ -383,16 +398,23 @@ class ModelRunner:
             self.model.set_attn_implementation(ATTENTION_NAME)
         decodes = [c for c in chunks if c.end - c.start == 1]
         plain = [c for c in decodes if not _own_group(c.request)]
-        # the kernel pads nothing, so all plain decodes form one group; SDPA pads each group to its
-        # longest row, so it gets buckets of similar lengths
-        plain_groups = [plain] if self.decode_kernel and plain else decode_buckets(plain, self.block_size)
+        quantized = [c for c in decodes if self._reads_quantized(c.request)]
+        # the kernel pads nothing, so all plain decodes form one group (with the requests of one
+        # quantizer, whose blocks it reads in place); SDPA pads each group to its longest row, so
+        # it gets buckets of similar lengths
+        if self.decode_kernel:
+            kernel_groups = _by_quantizer(plain, quantized)
+        else:
+            kernel_groups = decode_buckets(plain, self.block_size)
         by_rows = [c for c in decodes if self._reads_rows(c.request)]
-        alone = [[c] for c in decodes if _own_group(c.request) and not self._reads_rows(c.request)]
-        buckets = plain_groups + ([by_rows] if by_rows else []) + alone
+        kernel_read = {id(c) for c in quantized} | {id(c) for c in by_rows}
+        alone = [[c] for c in decodes if _own_group(c.request) and id(c) not in kernel_read]
+        buckets = kernel_groups + ([by_rows] if by_rows else []) + alone
         prefills = [c for c in chunks if c.end - c.start > 1]
         ordered = [chunk for bucket in buckets for chunk in bucket] + prefills  # the flat token order
         layout = self._layout(buckets, prefills, device)
         layout.decode_kernel, layout.rows_kernel = self.decode_kernel, self.rows_kernel
+        layout.quantized_kernel = self.quantized_kernel
         layout.compactions = _place(compactions or [], ordered)
         if layout.wants_attention_inputs:
             install_attention_input_hooks(self.model)
@@ -427,6 +449,15 @@ class ModelRunner:
             and region.quant is None
             and Place.QUANTIZED not in request.blocks.places
         )
+
+    def _reads_quantized(self, request) -> bool:
+        """Its decode goes to the quantized kernel: quantized blocks of a codec the kernel reads,
+        and nothing else of its own to read (no head region, no page selection)."""
+        if self.quantized_kernel is None or request.kv is None or request.kv.quant is None:
+            return False
+        if request.region is not None or _selects_pages(request) or Place.QUANTIZED not in request.blocks.places:
+            return False
+        return self.quant_pools[request.kv.quant].kernel_roles is not None
 
     def _rows_group(self, chunks: list[Chunk], first: int, device) -> AttentionGroup:
         storage, block = self.storage, self.block_size
@@ -472,15 +503,24 @@ class ModelRunner:
         block = self.block_size
         ends = [_kv_span(c)[1] for c in chunks]
         max_blocks = max(-(-end // block) for end in ends)
-        table = [
-            b
-            for c, end in zip(chunks, ends)
-            for b in (c.request.blocks.block_ids[: -(-end // block)] + [0] * max_blocks)[:max_blocks]
-        ]
+        quantized = [c for c in chunks if self._reads_quantized(c.request)]
+        kernel = self.decode_kernel is not None and all(
+            not _own_group(c.request) or self._reads_quantized(c.request) for c in chunks
+        )
+
+        def padded_table(request, end: int) -> list[int]:
+            count = -(-end // block)
+            ids = _kernel_table(request, count) if kernel else request.blocks.block_ids[:count]
+            return ids + [0] * (max_blocks - count)
+
+        table = [b for c, end in zip(chunks, ends) for b in padded_table(c.request, end)]
         ends = torch.tensor(ends, device=device)
         blocks, positions = torch.tensor(table, device=device), (ends - 1)[:, None]
-        if self.decode_kernel is not None and not any(_own_group(c.request) for c in chunks):
-            return AttentionGroup(first, first + len(chunks), len(chunks), blocks, 0, None, positions, lengths=ends)
+        if kernel:
+            pool = self.quant_pools[quantized[0].request.kv.quant] if quantized else None
+            return AttentionGroup(
+                first, first + len(chunks), len(chunks), blocks, 0, None, positions, lengths=ends, quantized=pool
+            )
         mask = torch.arange(max_blocks * block, device=device)[None, :] < ends[:, None]  # [C, keys]
         if len(chunks) == 1:
             mixed = self._mixed(chunks[0].request, table, device)
@@ -593,6 +633,25 @@ def _own_group(request) -> bool:
     Quest's page selection."""
     quantized = request.kv is not None and request.kv.quant is not None and Place.QUANTIZED in request.blocks.places
     return quantized or request.region is not None or _selects_pages(request)
+
+
+def _by_quantizer(plain: list[Chunk], quantized: list[Chunk]) -> list[list[Chunk]]:
+    """Decode groups for the CPU kernels: one per quantizer (a kernel call reads one QuantPool),
+    the plain requests in the first; one group of plain requests when none is quantized."""
+    groups: dict[str, list[Chunk]] = {}
+    for chunk in quantized:
+        groups.setdefault(chunk.request.kv.quant, []).append(chunk)
+    ordered = list(groups.values()) or ([[]] if plain else [])
+    if plain:
+        ordered[0] = plain + ordered[0]
+    return ordered
+
+
+def _kernel_table(request, count: int) -> list[int]:
+    """The first `count` entries of `request`'s block table for the CPU kernel: a pool block's id,
+    or -id - 1 for a block of its QuantPool."""
+    ids, places = request.blocks.block_ids[:count], request.blocks.places[:count]
+    return [-block - 1 if place is Place.QUANTIZED else block for block, place in zip(ids, places)]
 
 
 def _selects_pages(request) -> bool:

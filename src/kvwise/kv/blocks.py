@@ -18,7 +18,7 @@ from kvwise.kv.codec import Codec, Encoded
 from kvwise.kv.quantizer import Quantizer
 
 
-class _CodecPool:
+class CodecPool:
     """One role's (keys' or values') quantized blocks."""
 
     def __init__(self, codec: Codec, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, device):
@@ -96,8 +96,8 @@ class QuantizedBlocks:
         if block_size < 1 or num_blocks < 1:
             raise ValueError(f"num_blocks and block_size must be positive, got {num_blocks} and {block_size}")
         self.quantizer, self.block_size = quantizer, block_size
-        self.keys = _CodecPool(quantizer.key_codec, num_blocks, block_size, num_kv_heads, head_dim, device)
-        self.values = _CodecPool(quantizer.value_codec, num_blocks, block_size, num_kv_heads, head_dim, device)
+        self.keys = CodecPool(quantizer.key_codec, num_blocks, block_size, num_kv_heads, head_dim, device)
+        self.values = CodecPool(quantizer.value_codec, num_blocks, block_size, num_kv_heads, head_dim, device)
 
     def write(self, block_ids: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, bases=None) -> None:
         """Quantize full blocks. keys, values: [n, block_size, num_kv_heads, head_dim]; block_ids: [n];

@@ -5,6 +5,12 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tenso
                            torch::Tensor lengths, double scale, double softcap, int64_t window);
 torch::Tensor paged_decode_rows(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor rows,
                                 torch::Tensor lengths, double scale, double softcap);
+torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
+                               torch::Tensor lengths, double scale, double softcap, int64_t window,
+                               int64_t key_kind, int64_t key_bits, int64_t key_width, torch::Tensor key_codes,
+                               torch::Tensor key_scale, torch::Tensor key_minimum, int64_t value_kind,
+                               int64_t value_bits, int64_t value_width, torch::Tensor value_codes,
+                               torch::Tensor value_scale, torch::Tensor value_minimum);
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -12,6 +18,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode", &paged_decode, "decode attention over a paged KV pool (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());
   m.def("paged_decode_rows", &paged_decode_rows, "decode attention over rows listed per KV head (CPU, float32)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("quantized_decode", &quantized_decode,
+        "decode attention over tables of pool blocks and quantized blocks read in place (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());
   m.def("small_linear", &small_linear, "x @ weight.T + bias for a few rows of x (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());

@@ -1,0 +1,267 @@
+// Decode attention over block tables that mix full-precision blocks of the pool with quantized
+// blocks (int8, fp8, KIVI 4/2-bit), read where they lie. A quantized block is dequantized into a
+// small per-thread buffer (one block of the heads a task reads: a few KB, so it stays in L1) just
+// before its rows are used, and used there: the KV is read from memory as codes and scales, never
+// as a full-precision copy, and plain, quantized and mixed sequences share one call.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstring>
+#include <numeric>
+#include <vector>
+
+#include "attention_rows.h"
+
+namespace {
+
+// How a role (keys or values) of the quantized pool is stored; the numbers are the Python side's
+// (engine/quantized_kernel.py).
+enum Kind : int64_t { SCALED_INT8 = 0, SCALED_FP8 = 1, PER_CHANNEL = 2, PER_TOKEN = 3 };
+
+// float32 value of each float8 e4m3fn bit pattern (NaN patterns, never written, read as 0, as
+// the Python decoder does)
+struct Fp8Table {
+  float value[256];
+  Fp8Table() {
+    for (int bits = 0; bits < 256; ++bits) {
+      const int sign = bits >> 7, exponent = (bits >> 3) & 15, mantissa = bits & 7;
+      float magnitude;
+      if (exponent == 15 && mantissa == 7)
+        magnitude = 0.f;
+      else if (exponent == 0)
+        magnitude = std::ldexp(mantissa / 8.f, -6);
+      else
+        magnitude = std::ldexp(1.f + mantissa / 8.f, exponent - 7);
+      value[bits] = sign ? -magnitude : magnitude;
+    }
+  }
+};
+const Fp8Table fp8_table;
+
+inline float half_to_float(const at::Half& h) { return static_cast<float>(h); }
+
+// One role's quantized pool (codec.py's Encoded, as kv/blocks.py stores it per block):
+//   codes:   [num_blocks, KVH, block_size, D * bits / 8] uint8
+//   SCALED:  scale [num_blocks, KVH, block_size] float16
+//   PER_CHANNEL (KIVI keys, one group per block and head): scale, minimum [num_blocks, KVH, D] float16
+//   PER_TOKEN (KIVI values, channel groups of `width`): scale, minimum [num_blocks, KVH, block_size, D / width] float16
+struct QuantizedRole {
+  int64_t kind, bits, width;
+  const uint8_t* codes;
+  const at::Half* scale;
+  const at::Half* minimum;
+  int64_t num_blocks, kv_heads, block_size, dim, packed;
+
+  // Rows [first_token, last_token) of `block` for kv heads [head_lo, head_hi), into `out` laid out
+  // as a pool block: [block_size, KVH, D] float32 (other heads' rows are left as they are).
+  void stage(int64_t block, int64_t head_lo, int64_t head_hi, int64_t first_token, int64_t last_token,
+             float* out) const {
+    const int64_t per_byte = 8 / bits, mask = (1 << bits) - 1, row = kv_heads * dim;
+    for (int64_t h = head_lo; h < head_hi; ++h) {
+      const int64_t block_head = block * kv_heads + h;
+      const uint8_t* head_codes = codes + block_head * block_size * packed;
+      for (int64_t t = first_token; t < last_token; ++t) {
+        const uint8_t* c = head_codes + t * packed;
+        float* x = out + t * row + h * dim;
+        const int64_t token = block_head * block_size + t;
+        if (kind == SCALED_INT8) {
+          const float s = half_to_float(scale[token]);
+          const int8_t* signed_codes = reinterpret_cast<const int8_t*>(c);
+          for (int64_t d = 0; d < dim; ++d) x[d] = static_cast<float>(signed_codes[d]) * s;
+        } else if (kind == SCALED_FP8) {
+          const float s = half_to_float(scale[token]);
+          for (int64_t d = 0; d < dim; ++d) x[d] = fp8_table.value[c[d]] * s;
+        } else if (kind == PER_CHANNEL) {
+          const at::Half* s = scale + block_head * dim;
+          const at::Half* m = minimum + block_head * dim;
+          for (int64_t d = 0; d < dim; ++d) {
+            const float code = static_cast<float>((c[d / per_byte] >> (d % per_byte * bits)) & mask);
+            x[d] = code * half_to_float(s[d]) + half_to_float(m[d]);
+          }
+        } else {  // PER_TOKEN
+          const int64_t groups = dim / width;
+          const at::Half* s = scale + token * groups;
+          const at::Half* m = minimum + token * groups;
+          for (int64_t g = 0; g < groups; ++g) {
+            const float gs = half_to_float(s[g]), gm = half_to_float(m[g]);
+            for (int64_t d = g * width; d < (g + 1) * width; ++d) {
+              const float code = static_cast<float>((c[d / per_byte] >> (d % per_byte * bits)) & mask);
+              x[d] = code * gs + gm;
+            }
+          }
+        }
+      }
+    }
+  }
+};
+
+QuantizedRole role_of(int64_t kind, int64_t bits, int64_t width, const torch::Tensor& codes,
+                      const torch::Tensor& scale, const torch::Tensor& minimum, int64_t kv_heads, int64_t block_size,
+                      int64_t dim, const char* name) {
+  TORCH_CHECK(kind >= SCALED_INT8 && kind <= PER_TOKEN, "quantized_decode: unknown ", name, " kind ", kind);
+  TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "quantized_decode: ", name, " codes of 2, 4 or 8 bits");
+  TORCH_CHECK((kind != SCALED_INT8 && kind != SCALED_FP8) || bits == 8, "quantized_decode: int8/fp8 are 8-bit");
+  TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.dim() == 4 && codes.is_contiguous() &&
+                  codes.size(1) == kv_heads && codes.size(2) == block_size && codes.size(3) * 8 == dim * bits,
+              "quantized_decode: ", name, " codes must be [blocks, kv_heads, block_size, D * bits / 8] uint8");
+  TORCH_CHECK(scale.scalar_type() == torch::kHalf && scale.is_contiguous(), "quantized_decode: ", name,
+              " scales must be contiguous float16");
+  const int64_t blocks = codes.size(0);
+  int64_t expected = blocks * kv_heads * block_size;  // SCALED
+  if (kind == PER_CHANNEL) expected = blocks * kv_heads * dim;
+  if (kind == PER_TOKEN) {
+    TORCH_CHECK(width >= 1 && dim % width == 0, "quantized_decode: ", name, " channel groups must divide D");
+    expected = blocks * kv_heads * block_size * (dim / width);
+  }
+  TORCH_CHECK(scale.numel() == expected, "quantized_decode: ", name, " scales have the wrong size");
+  const bool has_minimum = kind == PER_CHANNEL || kind == PER_TOKEN;
+  if (has_minimum)
+    TORCH_CHECK(minimum.scalar_type() == torch::kHalf && minimum.is_contiguous() && minimum.numel() == expected,
+                "quantized_decode: ", name, " minimums must match its scales");
+  return QuantizedRole{kind,
+                       bits,
+                       width,
+                       codes.data_ptr<uint8_t>(),
+                       scale.data_ptr<at::Half>(),
+                       has_minimum ? minimum.data_ptr<at::Half>() : nullptr,
+                       blocks,
+                       kv_heads,
+                       block_size,
+                       dim,
+                       codes.size(3)};
+}
+
+}  // namespace
+
+// query:   [B, H, D] float32
+// keys:    [num_blocks, block_size, KVH, D] float32 (one layer of the pool), values alike
+// tables:  [B, max_blocks] int64: id >= 0 a pool block, id < 0 the quantized block -id - 1
+// lengths: [B] int64, keys 0 .. length-1 are seen (the query is the sequence's last token)
+// scale, softcap, window: as paged_decode
+// key_* / value_*: each role's quantized pool (QuantizedRole above; `minimum` unused by int8/fp8)
+// returns  [B, H, D]
+torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
+                               torch::Tensor lengths, double scale, double softcap, int64_t window,
+                               int64_t key_kind, int64_t key_bits, int64_t key_width, torch::Tensor key_codes,
+                               torch::Tensor key_scale, torch::Tensor key_minimum, int64_t value_kind,
+                               int64_t value_bits, int64_t value_width, torch::Tensor value_codes,
+                               torch::Tensor value_scale, torch::Tensor value_minimum) {
+  TORCH_CHECK(query.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes() && tables.dim() == 2 &&
+                  lengths.dim() == 1,
+              "quantized_decode: bad shapes");
+  check_tensors("quantized_decode", "tables", query, keys, values, tables, lengths);
+  query = query.contiguous();
+  keys = keys.contiguous();
+  values = values.contiguous();
+  tables = tables.contiguous();
+  lengths = lengths.contiguous();
+  const int64_t batch = query.size(0), heads = query.size(1), dim = query.size(2);
+  const int64_t block_size = keys.size(1), kv_heads = keys.size(2), max_blocks = tables.size(1);
+  TORCH_CHECK(keys.size(3) == dim && heads % kv_heads == 0 && tables.size(0) == batch && lengths.size(0) == batch,
+              "quantized_decode: query, pool and tables disagree");
+  const QuantizedRole key_role = role_of(key_kind, key_bits, key_width, key_codes, key_scale, key_minimum, kv_heads,
+                                         block_size, dim, "key");
+  const QuantizedRole value_role = role_of(value_kind, value_bits, value_width, value_codes, value_scale,
+                                           value_minimum, kv_heads, block_size, dim, "value");
+  TORCH_CHECK(key_role.num_blocks == value_role.num_blocks, "quantized_decode: key and value pools disagree");
+  const int64_t group = heads / kv_heads, row = kv_heads * dim, num_blocks = keys.size(0);
+  const int64_t* length_of = lengths.data_ptr<int64_t>();
+  const int64_t* table_of = tables.data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    TORCH_CHECK(length_of[b] >= 1 && length_of[b] <= max_blocks * block_size, "quantized_decode: length out of range");
+    for (int64_t i = 0; i < (length_of[b] + block_size - 1) / block_size; ++i) {
+      const int64_t id = table_of[b * max_blocks + i];
+      TORCH_CHECK(id < num_blocks && -id - 1 < key_role.num_blocks, "quantized_decode: block id out of range");
+    }
+  }
+  auto output = torch::empty_like(query);
+  const float* q_all = query.data_ptr<float>();
+  const float* k_pool = keys.data_ptr<float>();
+  const float* v_pool = values.data_ptr<float>();
+  float* out_all = output.data_ptr<float>();
+  const float scale_f = static_cast<float>(scale), cap = static_cast<float>(softcap);
+
+  // tasks as in paged_decode: a sequence with all its heads, or one KV head's query heads when
+  // there are fewer sequences than threads; longest first, handed out one at a time
+  const int64_t heads_per_task = batch >= 2 * at::get_num_threads() ? heads : group;
+  const int64_t tasks_per_sequence = heads / heads_per_task;
+  const int64_t tasks = batch * tasks_per_sequence;
+  std::vector<int64_t> order(tasks);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return length_of[x / tasks_per_sequence] > length_of[y / tasks_per_sequence];
+  });
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
+    std::vector<float> scores, staged(block_size * row);
+    for (int64_t taken = next++; taken < tasks; taken = next++) {
+      const int64_t task = order[taken];
+      const int64_t b = task / tasks_per_sequence, head0 = task % tasks_per_sequence * heads_per_task;
+      const int64_t head_lo = head0 / group, head_hi = (head0 + heads_per_task - 1) / group + 1;
+      const int64_t length = length_of[b];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, length - window) : 0, n = length - first;
+      const int64_t* table = table_of + b * max_blocks;
+      const float* q = q_all + (b * heads + head0) * dim;
+      scores.resize(heads_per_task * n);  // [heads_per_task, n]
+      // The rows of block `i` from token `lo` to `hi` (within the block): the pool's block, or the
+      // quantized one staged for those tokens and heads.
+      auto block_rows = [&](const float* pool, const QuantizedRole& role, int64_t i, int64_t lo, int64_t hi) {
+        const int64_t id = table[i];
+        if (id >= 0) return pool + id * block_size * row;
+        role.stage(-id - 1, head_lo, head_hi, lo, hi, staged.data());
+        return static_cast<const float*>(staged.data());
+      };
+      for (int64_t i = first / block_size; i * block_size < length; ++i) {
+        const int64_t start = i * block_size, lo = std::max(start, first) - start;
+        const int64_t hi = std::min(start + block_size, length) - start;
+        if (i * block_size + block_size < length && table[i + 1] >= 0)
+          prefetch_row(k_pool + table[i + 1] * block_size * row, block_size * row);
+        const float* rows = block_rows(k_pool, key_role, i, lo, hi);
+        float* s = scores.data() + (start + lo - first);
+        int64_t t = lo;
+        for (; t + 4 <= hi; t += 4)
+          for (int64_t h = 0; h < heads_per_task; ++h) {
+            const float* base = rows + (head0 + h) / group * dim;
+            const float* k[4] = {base + t * row, base + (t + 1) * row, base + (t + 2) * row, base + (t + 3) * row};
+            dot4(q + h * dim, k, dim, s + h * n + (t - lo));
+          }
+        for (; t < hi; ++t)
+          for (int64_t h = 0; h < heads_per_task; ++h)
+            s[h * n + (t - lo)] = dot(q + h * dim, rows + t * row + (head0 + h) / group * dim, dim);
+      }
+      for (int64_t i = 0; i < heads_per_task * n; ++i) scores[i] *= scale_f;
+      if (cap > 0.f)
+        for (int64_t i = 0; i < heads_per_task * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
+      float* out = out_all + (b * heads + head0) * dim;
+      std::fill(out, out + heads_per_task * dim, 0.f);
+      std::vector<float> totals(heads_per_task);
+      for (int64_t h = 0; h < heads_per_task; ++h) {
+        float* s = scores.data() + h * n;
+        totals[h] = exp_shifted(s, n, *std::max_element(s, s + n));
+      }
+      for (int64_t i = first / block_size; i * block_size < length; ++i) {
+        const int64_t start = i * block_size, lo = std::max(start, first) - start;
+        const int64_t hi = std::min(start + block_size, length) - start;
+        if (i * block_size + block_size < length && table[i + 1] >= 0)
+          prefetch_row(v_pool + table[i + 1] * block_size * row, block_size * row);
+        const float* rows = block_rows(v_pool, value_role, i, lo, hi);
+        for (int64_t t = lo; t < hi; t += ROWS) {
+          const int64_t count = std::min<int64_t>(ROWS, hi - t);
+          for (int64_t h = 0; h < heads_per_task; ++h) {
+            const float* v[ROWS];
+            for (int64_t j = 0; j < count; ++j) v[j] = rows + (t + j) * row + (head0 + h) / group * dim;
+            weighted_sum(scores.data() + h * n + (start + t - first), v, count, out + h * dim, dim);
+          }
+        }
+      }
+      for (int64_t h = 0; h < heads_per_task; ++h) {
+        const float inverse = 1.f / totals[h];
+        for (int64_t d = 0; d < dim; ++d) out[h * dim + d] *= inverse;
+      }
+    }
+  });
+  return output;
+}

@@ -1,0 +1,109 @@
+"""The CPU decode kernel reading quantized blocks where they lie, against dequantize-then-attend."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from kvwise.engine.cpu_kernel import quantized_decode_kernel
+from kvwise.engine.quantized_kernel import kernel_roles
+from kvwise.kv.blocks import QuantizedBlocks
+from kvwise.kv.quantizer import make_quantizer
+
+kernel = quantized_decode_kernel()
+pytestmark = [
+    pytest.mark.skipif(kernel is None and not os.environ.get("CI"), reason="no C++ compiler: the engine uses SDPA"),
+    pytest.mark.timeout(120),
+]
+
+# the kernel dequantizes exactly what QuantizedBlocks.read does, in float32 throughout, so the
+# only difference left is the order of float32 sums: far below any codec's own error
+TOLERANCE = 2e-5
+
+
+def _attention(query, keys, values, lengths, scale, softcap, window):
+    """query [B, H, D]; keys, values [B, L, kv_heads, D] gathered per sequence."""
+    heads, kv_heads = query.shape[1], keys.shape[2]
+    outputs = []
+    for b, length in enumerate(lengths.tolist()):
+        k = keys[b, :length].repeat_interleave(heads // kv_heads, dim=1)
+        v = values[b, :length].repeat_interleave(heads // kv_heads, dim=1)
+        scores = torch.einsum("hd,lhd->hl", query[b], k) * scale
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
+        if window:
+            scores[:, : max(0, length - window)] = float("-inf")
+        outputs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v))
+    return torch.stack(outputs)
+
+
+def _mixed_tables(batch: int, blocks_each: int, device_blocks: int, quantized_blocks: int, generator):
+    """[B, blocks_each] tables: each entry a pool block (>= 0) or a quantized one (-id - 1), at random."""
+    quantized = torch.rand(batch, blocks_each, generator=generator) < 0.6
+    pool = torch.randint(0, device_blocks, (batch, blocks_each), generator=generator)
+    codes = torch.randint(0, quantized_blocks, (batch, blocks_each), generator=generator)
+    return torch.where(quantized, -codes - 1, pool)
+
+
+def _restored(tables, pool_keys, pool_values, blocks: QuantizedBlocks, count: int):
+    """keys, values [B, blocks_each * block_size, kv_heads, D]: every table's blocks, quantized
+    ones restored (`count` of them) by QuantizedBlocks.read, the engine's other read path."""
+    restored_keys, restored_values = blocks.read(torch.arange(count), torch.float32)
+    keys = torch.where(
+        (tables < 0)[..., None, None, None], restored_keys[(-tables - 1).clamp_min(0)], pool_keys[tables.clamp_min(0)]
+    )
+    values = torch.where(
+        (tables < 0)[..., None, None, None],
+        restored_values[(-tables - 1).clamp_min(0)],
+        pool_values[tables.clamp_min(0)],
+    )
+    return keys.flatten(1, 2), values.flatten(1, 2)
+
+
+@pytest.mark.parametrize("quant", ["int8", "fp8", "kivi4", "kivi2", "kivi4:value_group_size=16"])
+@pytest.mark.parametrize(
+    ("heads", "kv_heads", "dim", "softcap", "window", "threads"),
+    [(9, 3, 64, 0.0, 0, 1), (4, 4, 32, 0.0, 0, 4), (8, 2, 64, 50.0, 0, 2), (6, 3, 128, 0.0, 11, 1)],
+)
+def test_matches_dequantize_then_attend(quant, heads, kv_heads, dim, softcap, window, threads):
+    generator = torch.Generator().manual_seed(dim + heads)
+    block_size, batch, blocks_each, device_blocks, quantized_blocks = 16, 5, 4, 12, 10
+    quantizer = make_quantizer(quant)
+    blocks = QuantizedBlocks(quantizer, quantized_blocks, block_size, kv_heads, dim)
+    shape = (quantized_blocks, block_size, kv_heads, dim)
+    blocks.write(torch.arange(quantized_blocks), torch.randn(shape, generator=generator) + 0.5, torch.randn(shape))
+    pool_keys = torch.randn(device_blocks, block_size, kv_heads, dim, generator=generator)
+    pool_values = torch.randn(device_blocks, block_size, kv_heads, dim, generator=generator)
+    tables = _mixed_tables(batch, blocks_each, device_blocks, quantized_blocks, generator)
+    tables[0] = torch.randint(0, device_blocks, (blocks_each,), generator=generator)  # pool blocks only
+    tables[1] = -torch.randint(0, quantized_blocks, (blocks_each,), generator=generator) - 1  # quantized only
+    lengths = torch.tensor([1, 17, 33, 50, 64])
+    query = torch.randn(batch, heads, dim, generator=generator)
+    scale = dim**-0.5
+    (roles,) = kernel_roles([blocks])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel(query, pool_keys, pool_values, tables, lengths, scale, softcap, window, *roles)
+    finally:
+        torch.set_num_threads(before)
+    keys, values = _restored(tables, pool_keys, pool_values, blocks, quantized_blocks)
+    expected = _attention(query, keys, values, lengths, scale, softcap, window)
+    assert (got - expected).abs().max() < TOLERANCE
+
+
+def test_a_codec_it_cannot_read_has_no_roles():
+    blocks = QuantizedBlocks(make_quantizer("kivi4"), 2, 16, 2, 32)
+    assert kernel_roles([blocks]) is not None
+    blocks.values.codec = object()  # what a low-rank codec looks like to it: not a codec it knows
+    assert kernel_roles([blocks]) is None
+
+
+def test_out_of_range_quantized_ids_are_refused():
+    blocks = QuantizedBlocks(make_quantizer("int8"), 2, 16, 1, 32)
+    (roles,) = kernel_roles([blocks])
+    pool = torch.zeros(2, 16, 1, 32)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernel(torch.randn(1, 2, 32), pool, pool, torch.tensor([[-3]]), torch.tensor([4]), 1.0, 0.0, 0, *roles)

@@ -118,12 +118,16 @@ def measure_point(model, tokenizer, prompts: list[list[int]], form: str, config:
     from kvwise.engine.core import EngineCore
     from kvwise.engine.sampling import SamplingParams
 
-    longest = max(map(len, prompts)) + config.warmup + config.steps + 2
+    # the first requests to finish their prefill decode while the others still prefill: enough
+    # new tokens that none ends before the last timed step (all are aborted after it)
+    token_budget = CacheConfig.token_budget
+    prefill_steps = -(-sum(map(len, prompts)) // token_budget) + len(prompts)
+    new_tokens = prefill_steps + config.warmup + config.steps + 2
     block = CacheConfig.block_size
-    blocks = len(prompts) * -(-longest // block) + 16
+    blocks = len(prompts) * -(-(max(map(len, prompts)) + new_tokens) // block) + 16
     cache = CacheConfig(num_blocks=blocks, prefix_caching=False, max_running=len(prompts), swap_space_bytes=0)
     engine = EngineCore(model, tokenizer, cache)
-    params = SamplingParams(temperature=0, max_tokens=config.warmup + config.steps + 2, ignore_eos=True)
+    params = SamplingParams(temperature=0, max_tokens=new_tokens, ignore_eos=True)
     requests = [engine.make_request(prompt, params, index, kv=form) for index, prompt in enumerate(prompts)]
     for request in requests:
         engine.add(request)
@@ -146,7 +150,9 @@ def measure_point(model, tokenizer, prompts: list[list[int]], form: str, config:
             if len(chunks) != len(prompts) or any(end - start != 1 for _, _, start, end in chunks):
                 raise RuntimeError(f"a timed step was not one decode token per request: {chunks}")
     stats = engine.kv.stats()
-    kv_bytes = stats.used_blocks * stats.block_bytes + stats.quantized_bytes + stats.head_page_bytes
+    # blocks cut into head pages count as used blocks; what is read of them is the pages in use
+    blocks = stats.used_blocks - stats.head_page_blocks
+    kv_bytes = blocks * stats.block_bytes + stats.head_page_bytes + stats.quantized_bytes
     for request in requests:
         engine.abort(request)
     return {

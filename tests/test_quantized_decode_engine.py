@@ -59,3 +59,27 @@ def test_quantized_and_plain_requests_decode_together_as_the_reference_path(llam
     for got, expected in zip(logits, reference_logits):
         torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
     assert core.kv.stats().quantized_bytes == 0  # all released at the end
+
+
+def test_bfloat16_decodes_in_the_kernel_as_close_to_float32_as_sdpa_does(monkeypatch):
+    """A bfloat16 model's plain and quantized requests decode in the kernel (SDPA before): its
+    logits stay as close to the float32 model's as the SDPA path's do."""
+    from tests.conftest import TINY_MODELS
+
+    _, float32_logits, _ = _run(TINY_MODELS["llama"](), cpu_kernel=False)
+    model = TINY_MODELS["llama"]().to(torch.bfloat16)
+    _, sdpa_logits, _ = _run(model, cpu_kernel=False)
+    calls = []
+    kernel = runner_module.quantized_decode_kernel()
+    monkeypatch.setattr(
+        runner_module,
+        "quantized_decode_kernel",
+        lambda: (lambda *args: calls.append(args[1].dtype) or kernel(*args)) if kernel else None,
+    )
+    _, kernel_logits, core = _run(model, cpu_kernel=True)
+    if core.runner.quantized_kernel is None:
+        pytest.skip("no CPU decode kernel on this machine (test_cpu_kernel says why)")
+    assert calls and set(calls) == {torch.bfloat16}
+    sdpa_error = max((s.float() - f).abs().max() for s, f in zip(sdpa_logits, float32_logits))
+    kernel_error = max((k.float() - f).abs().max() for k, f in zip(kernel_logits, float32_logits))
+    assert kernel_error <= 1.5 * sdpa_error

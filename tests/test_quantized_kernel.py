@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from kvwise.engine.cpu_kernel import quantized_decode_kernel
-from kvwise.engine.quantized_kernel import kernel_roles
+from kvwise.engine.quantized_kernel import NO_ROLES, kernel_roles
 from kvwise.kv.blocks import QuantizedBlocks
 from kvwise.kv.quantizer import make_quantizer
 
@@ -92,6 +92,45 @@ def test_matches_dequantize_then_attend(quant, heads, kv_heads, dim, softcap, wi
     keys, values = _restored(tables, pool_keys, pool_values, blocks, quantized_blocks)
     expected = _attention(query, keys, values, lengths, scale, softcap, window)
     assert (got - expected).abs().max() < TOLERANCE
+
+
+@pytest.mark.parametrize("quant", [None, "int8", "kivi4"])
+def test_reads_a_bfloat16_pool_as_its_float32_widening(quant):
+    """bfloat16 pool blocks widen exactly to float32, so the kernel over the bfloat16 pool gives
+    what it gives over that pool in float32, with or without quantized blocks beside them."""
+    generator = torch.Generator().manual_seed(7)
+    block_size, kv_heads, dim, batch = 16, 3, 64, 4
+    pool_keys = torch.randn(8, block_size, kv_heads, dim, generator=generator).bfloat16()
+    pool_values = torch.randn(8, block_size, kv_heads, dim, generator=generator).bfloat16()
+    tables = torch.randint(0, 8, (batch, 3), generator=generator)
+    roles = NO_ROLES
+    if quant is not None:
+        blocks = QuantizedBlocks(make_quantizer(quant), 4, block_size, kv_heads, dim)
+        shape = (4, block_size, kv_heads, dim)
+        blocks.write(torch.arange(4), torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+        (roles,) = kernel_roles([blocks])
+        tables[:, 1] = -torch.randint(0, 4, (batch,), generator=generator) - 1
+    lengths, query = torch.tensor([5, 16, 40, 48]), torch.randn(batch, 9, dim, generator=generator)
+    got = kernel(query, pool_keys, pool_values, tables, lengths, 0.125, 0.0, 0, *roles)
+    wide = kernel(query, pool_keys.float(), pool_values.float(), tables, lengths, 0.125, 0.0, 0, *roles)
+    assert (got - wide).abs().max() < TOLERANCE
+    if quant is None:
+        expected = _attention(
+            query,
+            pool_keys.float()[tables].flatten(1, 2),
+            pool_values.float()[tables].flatten(1, 2),
+            lengths,
+            0.125,
+            0.0,
+            0,
+        )
+        assert (got - expected).abs().max() < TOLERANCE
+
+
+def test_without_a_quantized_pool_a_quantized_entry_is_refused():
+    pool = torch.zeros(2, 16, 1, 32)
+    with pytest.raises(RuntimeError, match="block id out of range"):
+        kernel(torch.randn(1, 2, 32), pool, pool, torch.tensor([[-1]]), torch.tensor([4]), 1.0, 0.0, 0, *NO_ROLES)
 
 
 def test_a_codec_it_cannot_read_has_no_roles():

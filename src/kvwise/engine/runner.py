@@ -35,6 +35,7 @@ from kvwise.engine.cpu_kernel import (
 from kvwise.engine.cpu_linear import SmallRowLinears
 from kvwise.engine.kv_view import RunnerView
 from kvwise.engine.quant_pool import QuantPool
+from kvwise.engine.quantized_kernel import NO_ROLES
 from kvwise.engine.scheduler import Chunk
 from kvwise.hf.attention import attention_implementation
 from kvwise.hf.attention_inputs import ENGINE_STEP_ATTRIBUTE, install_attention_input_hooks
@@ -202,10 +203,11 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             tables = group.blocks.view(group.chunks, -1)
             keys, values = storage.keys[layer], storage.values[layer]
             capped, windowed = softcap or 0.0, window or 0
-            if group.quantized is not None:
-                roles = group.quantized.kernel_roles[layer]
+            if group.quantized is not None or layout.decode_kernel is None:  # quantized blocks, or bfloat16
+                roles = group.quantized.kernel_roles[layer] if group.quantized is not None else NO_ROLES
                 kernel = layout.quantized_kernel
-                outputs.append(kernel(queries, keys, values, tables, group.lengths, scale, capped, windowed, *roles))
+                output = kernel(queries.float(), keys, values, tables, group.lengths, scale, capped, windowed, *roles)
+                outputs.append(output.to(query.dtype))
             else:
                 kernel = layout.decode_kernel
                 outputs.append(kernel(queries, keys, values, tables, group.lengths, scale, capped, windowed))
@@ -379,7 +381,9 @@ class ModelRunner:
         # sliding-window layers mask region rows by position, which the rows kernel does not do
         windowed = any(window is not None for window in kv_geometry(model).windows)
         self.rows_kernel = rows_decode_kernel() if on_cpu and cpu_kernel and not windowed else None
-        self.quantized_kernel = quantized_decode_kernel() if self.decode_kernel is not None else None
+        # quantized blocks, and bfloat16 pools, go through the kernel that reads them block by block
+        wide = storage.keys[0].device.type == "cpu" and storage.keys[0].dtype in (torch.float32, torch.bfloat16)
+        self.quantized_kernel = quantized_decode_kernel() if wide and cpu_kernel else None
         linear = small_linear_kernel() if on_cpu and cpu_kernel else None
         self.small_row_linears = SmallRowLinears(model, linear) if linear is not None else None
 
@@ -402,7 +406,7 @@ class ModelRunner:
         # the kernel pads nothing, so all plain decodes form one group (with the requests of one
         # quantizer, whose blocks it reads in place); SDPA pads each group to its longest row, so
         # it gets buckets of similar lengths
-        if self.decode_kernel:
+        if self._decodes_in_kernel:
             kernel_groups = _by_quantizer(plain, quantized)
         else:
             kernel_groups = decode_buckets(plain, self.block_size)
@@ -449,6 +453,11 @@ class ModelRunner:
             and region.quant is None
             and Place.QUANTIZED not in request.blocks.places
         )
+
+    @property
+    def _decodes_in_kernel(self) -> bool:
+        """Plain decode tokens go to a CPU kernel (float32: paged_decode; bfloat16: quantized_decode)."""
+        return self.decode_kernel is not None or self.quantized_kernel is not None
 
     def _reads_quantized(self, request) -> bool:
         """Its decode goes to the quantized kernel: quantized blocks of a codec the kernel reads,
@@ -504,7 +513,7 @@ class ModelRunner:
         ends = [_kv_span(c)[1] for c in chunks]
         max_blocks = max(-(-end // block) for end in ends)
         quantized = [c for c in chunks if self._reads_quantized(c.request)]
-        kernel = self.decode_kernel is not None and all(
+        kernel = self._decodes_in_kernel and all(
             not _own_group(c.request) or self._reads_quantized(c.request) for c in chunks
         )
 

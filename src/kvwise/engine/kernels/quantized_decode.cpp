@@ -2,7 +2,9 @@
 // blocks (int8, fp8, KIVI 4/2-bit), read where they lie. A quantized block is dequantized into a
 // small per-thread buffer (one block of the heads a task reads: a few KB, so it stays in L1) just
 // before its rows are used, and used there: the KV is read from memory as codes and scales, never
-// as a full-precision copy, and plain, quantized and mixed sequences share one call.
+// as a full-precision copy, and plain, quantized and mixed sequences share one call. A bfloat16
+// pool is read the same way: each block widened to float32 in that buffer, so bfloat16 KV moves
+// half the bytes of float32 and the arithmetic stays float32.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -13,13 +15,18 @@
 #include <numeric>
 #include <vector>
 
+#if defined(__SSE2__)
+#include <immintrin.h>
+#endif
+
 #include "attention_rows.h"
 
 namespace {
 
 // How a role (keys or values) of the quantized pool is stored; the numbers are the Python side's
 // (engine/quantized_kernel.py).
-enum Kind : int64_t { SCALED_INT8 = 0, SCALED_FP8 = 1, PER_CHANNEL = 2, PER_TOKEN = 3 };
+// NONE: no quantized pool (every table entry is a pool block).
+enum Kind : int64_t { NONE = -1, SCALED_INT8 = 0, SCALED_FP8 = 1, PER_CHANNEL = 2, PER_TOKEN = 3 };
 
 // float32 value of each float8 e4m3fn bit pattern (NaN patterns, never written, read as 0, as
 // the Python decoder does)
@@ -43,6 +50,101 @@ const Fp8Table fp8_table;
 
 inline float half_to_float(const at::Half& h) { return static_cast<float>(h); }
 
+// The widest head the stage buffers below hold (checked when a role is made).
+constexpr int64_t MAX_DIM = 512;
+
+// n float16 values as float32 (F16C/AVX-512 converts 16 at a time).
+inline void halves_to_floats(const at::Half* __restrict h, float* __restrict out, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  for (; i + 16 <= n; i += 16)
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+#endif
+  for (; i < n; ++i) out[i] = half_to_float(h[i]);
+}
+
+// Packed 2- or 4-bit codes (the first code of each byte in its low bits, kv/packing.py) as one
+// byte each: n codes.
+template <int BITS>
+inline void unpack_codes(const uint8_t* __restrict packed, uint8_t* __restrict codes, int64_t n) {
+  int64_t d = 0;
+#if defined(__SSE2__)
+  const __m128i mask = _mm_set1_epi8((1 << BITS) - 1);
+  if (BITS == 4) {
+    for (; d + 16 <= n; d += 16) {  // 8 bytes: low nibbles and high nibbles, interleaved back
+      const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(packed + d / 2));
+      const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + d), _mm_unpacklo_epi8(low, high));
+    }
+  } else if (BITS == 2) {
+    for (; d + 16 <= n; d += 16) {  // 4 bytes: the four 2-bit fields, interleaved back
+      int32_t four;
+      std::memcpy(&four, packed + d / 4, sizeof four);
+      const __m128i bytes = _mm_cvtsi32_si128(four);
+      const __m128i f0 = _mm_and_si128(bytes, mask), f1 = _mm_and_si128(_mm_srli_epi16(bytes, 2), mask);
+      const __m128i f2 = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask),
+                    f3 = _mm_and_si128(_mm_srli_epi16(bytes, 6), mask);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + d),
+                       _mm_unpacklo_epi16(_mm_unpacklo_epi8(f0, f1), _mm_unpacklo_epi8(f2, f3)));
+    }
+  }
+#endif
+  constexpr int per_byte = 8 / BITS;
+  for (; d < n; ++d) codes[d] = (packed[d / per_byte] >> (d % per_byte * BITS)) & ((1 << BITS) - 1);
+}
+
+inline void unpack(int64_t bits, const uint8_t* packed, uint8_t* codes, int64_t n) {
+  if (bits == 4)
+    unpack_codes<4>(packed, codes, n);
+  else if (bits == 2)
+    unpack_codes<2>(packed, codes, n);
+  else
+    std::memcpy(codes, packed, n);
+}
+
+// x[d] = codes[d] * scale[d] + minimum[d] (per channel)
+inline void affine(const uint8_t* __restrict codes, const float* __restrict scale, const float* __restrict minimum,
+                   float* __restrict x, int64_t n) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  for (; d + 16 <= n; d += 16) {
+    const __m512 c = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + d))));
+    _mm512_storeu_ps(x + d, _mm512_fmadd_ps(c, _mm512_loadu_ps(scale + d), _mm512_loadu_ps(minimum + d)));
+  }
+#endif
+  for (; d < n; ++d) x[d] = codes[d] * scale[d] + minimum[d];
+}
+
+// x[d] = codes[d] * scale + minimum (one group)
+inline void affine_group(const uint8_t* __restrict codes, float scale, float minimum, float* __restrict x,
+                         int64_t n) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(scale), m = _mm512_set1_ps(minimum);
+  for (; d + 16 <= n; d += 16) {
+    const __m512 c = _mm512_cvtepi32_ps(
+        _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + d))));
+    _mm512_storeu_ps(x + d, _mm512_fmadd_ps(c, s, m));
+  }
+#endif
+  for (; d < n; ++d) x[d] = codes[d] * scale + minimum;
+}
+
+// x[d] = int8 codes[d] * scale
+inline void scaled_int8(const int8_t* __restrict codes, float scale, float* __restrict x, int64_t n) {
+  int64_t d = 0;
+#if defined(__AVX512F__)
+  const __m512 s = _mm512_set1_ps(scale);
+  for (; d + 16 <= n; d += 16) {
+    const __m512 c = _mm512_cvtepi32_ps(
+        _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + d))));
+    _mm512_storeu_ps(x + d, _mm512_mul_ps(c, s));
+  }
+#endif
+  for (; d < n; ++d) x[d] = codes[d] * scale;
+}
+
 // One role's quantized pool (codec.py's Encoded, as kv/blocks.py stores it per block):
 //   codes:   [num_blocks, KVH, block_size, D * bits / 8] uint8
 //   SCALED:  scale [num_blocks, KVH, block_size] float16
@@ -59,39 +161,35 @@ struct QuantizedRole {
   // as a pool block: [block_size, KVH, D] float32 (other heads' rows are left as they are).
   void stage(int64_t block, int64_t head_lo, int64_t head_hi, int64_t first_token, int64_t last_token,
              float* out) const {
-    const int64_t per_byte = 8 / bits, mask = (1 << bits) - 1, row = kv_heads * dim;
+    const int64_t row = kv_heads * dim;
+    float channel_scale[MAX_DIM], channel_minimum[MAX_DIM];
+    uint8_t unpacked[MAX_DIM];
     for (int64_t h = head_lo; h < head_hi; ++h) {
       const int64_t block_head = block * kv_heads + h;
       const uint8_t* head_codes = codes + block_head * block_size * packed;
+      if (kind == PER_CHANNEL) {  // one range per channel for the whole block: converted once
+        halves_to_floats(scale + block_head * dim, channel_scale, dim);
+        halves_to_floats(minimum + block_head * dim, channel_minimum, dim);
+      }
       for (int64_t t = first_token; t < last_token; ++t) {
         const uint8_t* c = head_codes + t * packed;
         float* x = out + t * row + h * dim;
         const int64_t token = block_head * block_size + t;
         if (kind == SCALED_INT8) {
-          const float s = half_to_float(scale[token]);
-          const int8_t* signed_codes = reinterpret_cast<const int8_t*>(c);
-          for (int64_t d = 0; d < dim; ++d) x[d] = static_cast<float>(signed_codes[d]) * s;
+          scaled_int8(reinterpret_cast<const int8_t*>(c), half_to_float(scale[token]), x, dim);
         } else if (kind == SCALED_FP8) {
           const float s = half_to_float(scale[token]);
           for (int64_t d = 0; d < dim; ++d) x[d] = fp8_table.value[c[d]] * s;
         } else if (kind == PER_CHANNEL) {
-          const at::Half* s = scale + block_head * dim;
-          const at::Half* m = minimum + block_head * dim;
-          for (int64_t d = 0; d < dim; ++d) {
-            const float code = static_cast<float>((c[d / per_byte] >> (d % per_byte * bits)) & mask);
-            x[d] = code * half_to_float(s[d]) + half_to_float(m[d]);
-          }
+          unpack(bits, c, unpacked, dim);
+          affine(unpacked, channel_scale, channel_minimum, x, dim);
         } else {  // PER_TOKEN
+          unpack(bits, c, unpacked, dim);
           const int64_t groups = dim / width;
           const at::Half* s = scale + token * groups;
           const at::Half* m = minimum + token * groups;
-          for (int64_t g = 0; g < groups; ++g) {
-            const float gs = half_to_float(s[g]), gm = half_to_float(m[g]);
-            for (int64_t d = g * width; d < (g + 1) * width; ++d) {
-              const float code = static_cast<float>((c[d / per_byte] >> (d % per_byte * bits)) & mask);
-              x[d] = code * gs + gm;
-            }
-          }
+          for (int64_t g = 0; g < groups; ++g)
+            affine_group(unpacked + g * width, half_to_float(s[g]), half_to_float(m[g]), x + g * width, width);
         }
       }
     }
@@ -101,8 +199,10 @@ struct QuantizedRole {
 QuantizedRole role_of(int64_t kind, int64_t bits, int64_t width, const torch::Tensor& codes,
                       const torch::Tensor& scale, const torch::Tensor& minimum, int64_t kv_heads, int64_t block_size,
                       int64_t dim, const char* name) {
-  TORCH_CHECK(kind >= SCALED_INT8 && kind <= PER_TOKEN, "quantized_decode: unknown ", name, " kind ", kind);
+  TORCH_CHECK(kind >= NONE && kind <= PER_TOKEN, "quantized_decode: unknown ", name, " kind ", kind);
+  if (kind == NONE) return QuantizedRole{NONE, 8, 0, nullptr, nullptr, nullptr, 0, kv_heads, block_size, dim, 0};
   TORCH_CHECK(bits == 2 || bits == 4 || bits == 8, "quantized_decode: ", name, " codes of 2, 4 or 8 bits");
+  TORCH_CHECK(dim <= MAX_DIM, "quantized_decode: head_dim above ", MAX_DIM);
   TORCH_CHECK((kind != SCALED_INT8 && kind != SCALED_FP8) || bits == 8, "quantized_decode: int8/fp8 are 8-bit");
   TORCH_CHECK(codes.scalar_type() == torch::kByte && codes.dim() == 4 && codes.is_contiguous() &&
                   codes.size(1) == kv_heads && codes.size(2) == block_size && codes.size(3) * 8 == dim * bits,
@@ -134,14 +234,32 @@ QuantizedRole role_of(int64_t kind, int64_t bits, int64_t width, const torch::Te
                        codes.size(3)};
 }
 
+// bfloat16 rows [lo, hi) of a pool block, heads [head_lo, head_hi), as float32 into `out`
+// ([block_size, KVH, D], the block's layout): a bfloat16 is the high half of a float32.
+inline void widen(const uint16_t* block, int64_t head_lo, int64_t head_hi, int64_t lo, int64_t hi, int64_t kv_heads,
+                  int64_t dim, float* out) {
+  const int64_t row = kv_heads * dim;
+  for (int64_t t = lo; t < hi; ++t)
+    for (int64_t h = head_lo; h < head_hi; ++h) {
+      const uint16_t* x = block + t * row + h * dim;
+      uint32_t* y = reinterpret_cast<uint32_t*>(out + t * row + h * dim);
+      for (int64_t d = 0; d < dim; ++d) y[d] = static_cast<uint32_t>(x[d]) << 16;
+    }
+}
+
+inline void prefetch_bytes(const char* start, int64_t bytes) {
+  for (int64_t i = 0; i < bytes; i += 64) __builtin_prefetch(start + i, 0, 3);
+}
+
 }  // namespace
 
 // query:   [B, H, D] float32
-// keys:    [num_blocks, block_size, KVH, D] float32 (one layer of the pool), values alike
+// keys:    [num_blocks, block_size, KVH, D] float32 or bfloat16 (one layer of the pool), values alike
 // tables:  [B, max_blocks] int64: id >= 0 a pool block, id < 0 the quantized block -id - 1
 // lengths: [B] int64, keys 0 .. length-1 are seen (the query is the sequence's last token)
 // scale, softcap, window: as paged_decode
-// key_* / value_*: each role's quantized pool (QuantizedRole above; `minimum` unused by int8/fp8)
+// key_* / value_*: each role's quantized pool (QuantizedRole above; `minimum` unused by int8/fp8;
+//          kind NONE: no quantized pool, the tensors unused)
 // returns  [B, H, D]
 torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor tables,
                                torch::Tensor lengths, double scale, double softcap, int64_t window,
@@ -152,7 +270,15 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
   TORCH_CHECK(query.dim() == 3 && keys.dim() == 4 && values.sizes() == keys.sizes() && tables.dim() == 2 &&
                   lengths.dim() == 1,
               "quantized_decode: bad shapes");
-  check_tensors("quantized_decode", "tables", query, keys, values, tables, lengths);
+  TORCH_CHECK(query.device().is_cpu() && keys.device().is_cpu() && values.device().is_cpu() &&
+                  tables.device().is_cpu() && lengths.device().is_cpu(),
+              "quantized_decode: CPU tensors only");
+  TORCH_CHECK(query.scalar_type() == torch::kFloat, "quantized_decode: a float32 query");
+  TORCH_CHECK((keys.scalar_type() == torch::kFloat || keys.scalar_type() == torch::kBFloat16) &&
+                  values.scalar_type() == keys.scalar_type(),
+              "quantized_decode: a float32 or bfloat16 pool");
+  TORCH_CHECK(tables.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong,
+              "quantized_decode: int64 tables and lengths");
   query = query.contiguous();
   keys = keys.contiguous();
   values = values.contiguous();
@@ -179,8 +305,10 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
   }
   auto output = torch::empty_like(query);
   const float* q_all = query.data_ptr<float>();
-  const float* k_pool = keys.data_ptr<float>();
-  const float* v_pool = values.data_ptr<float>();
+  const bool wide = keys.scalar_type() == torch::kBFloat16;  // widened block by block
+  const char* k_pool = static_cast<const char*>(keys.data_ptr());
+  const char* v_pool = static_cast<const char*>(values.data_ptr());
+  const int64_t element = keys.element_size();
   float* out_all = output.data_ptr<float>();
   const float scale_f = static_cast<float>(scale), cap = static_cast<float>(softcap);
 
@@ -208,17 +336,22 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
       scores.resize(heads_per_task * n);  // [heads_per_task, n]
       // The rows of block `i` from token `lo` to `hi` (within the block): the pool's block, or the
       // quantized one staged for those tokens and heads.
-      auto block_rows = [&](const float* pool, const QuantizedRole& role, int64_t i, int64_t lo, int64_t hi) {
+      auto block_rows = [&](const char* pool, const QuantizedRole& role, int64_t i, int64_t lo, int64_t hi) {
         const int64_t id = table[i];
-        if (id >= 0) return pool + id * block_size * row;
-        role.stage(-id - 1, head_lo, head_hi, lo, hi, staged.data());
+        if (id < 0) {
+          role.stage(-id - 1, head_lo, head_hi, lo, hi, staged.data());
+          return static_cast<const float*>(staged.data());
+        }
+        const char* block = pool + id * block_size * row * element;
+        if (!wide) return reinterpret_cast<const float*>(block);
+        widen(reinterpret_cast<const uint16_t*>(block), head_lo, head_hi, lo, hi, kv_heads, dim, staged.data());
         return static_cast<const float*>(staged.data());
       };
       for (int64_t i = first / block_size; i * block_size < length; ++i) {
         const int64_t start = i * block_size, lo = std::max(start, first) - start;
         const int64_t hi = std::min(start + block_size, length) - start;
         if (i * block_size + block_size < length && table[i + 1] >= 0)
-          prefetch_row(k_pool + table[i + 1] * block_size * row, block_size * row);
+          prefetch_bytes(k_pool + table[i + 1] * block_size * row * element, block_size * row * element);
         const float* rows = block_rows(k_pool, key_role, i, lo, hi);
         float* s = scores.data() + (start + lo - first);
         int64_t t = lo;
@@ -246,7 +379,7 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
         const int64_t start = i * block_size, lo = std::max(start, first) - start;
         const int64_t hi = std::min(start + block_size, length) - start;
         if (i * block_size + block_size < length && table[i + 1] >= 0)
-          prefetch_row(v_pool + table[i + 1] * block_size * row, block_size * row);
+          prefetch_bytes(v_pool + table[i + 1] * block_size * row * element, block_size * row * element);
         const float* rows = block_rows(v_pool, value_role, i, lo, hi);
         for (int64_t t = lo; t < hi; t += ROWS) {
           const int64_t count = std::min<int64_t>(ROWS, hi - t);

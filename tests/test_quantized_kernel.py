@@ -11,6 +11,7 @@ from kvwise.engine.cpu_kernel import quantized_decode_kernel
 from kvwise.engine.quantized_kernel import NO_ROLES, kernel_roles
 from kvwise.kv.blocks import QuantizedBlocks
 from kvwise.kv.quantizer import make_quantizer
+from tests.test_cpu_kernel import reference
 
 kernel = quantized_decode_kernel()
 pytestmark = [
@@ -24,19 +25,11 @@ TOLERANCE = 2e-5
 
 
 def _attention(query, keys, values, lengths, scale, softcap, window):
-    """query [B, H, D]; keys, values [B, L, kv_heads, D] gathered per sequence."""
-    heads, kv_heads = query.shape[1], keys.shape[2]
-    outputs = []
-    for b, length in enumerate(lengths.tolist()):
-        k = keys[b, :length].repeat_interleave(heads // kv_heads, dim=1)
-        v = values[b, :length].repeat_interleave(heads // kv_heads, dim=1)
-        scores = torch.einsum("hd,lhd->hl", query[b], k) * scale
-        if softcap:
-            scores = torch.tanh(scores / softcap) * softcap
-        if window:
-            scores[:, : max(0, length - window)] = float("-inf")
-        outputs.append(torch.einsum("hl,lhd->hd", scores.softmax(-1), v))
-    return torch.stack(outputs)
+    """query [B, H, D]; keys, values [B, L, kv_heads, D] gathered per sequence: test_cpu_kernel's
+    reference over a pool that holds each sequence's rows as consecutive blocks."""
+    batch = keys.shape[0]
+    tables = torch.arange(batch).view(batch, 1)
+    return reference(query, keys, values, tables, lengths, scale, softcap, window)
 
 
 def _mixed_tables(batch: int, blocks_each: int, device_blocks: int, quantized_blocks: int, generator):

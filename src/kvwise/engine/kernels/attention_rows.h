@@ -10,6 +10,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <numeric>
+#include <vector>
 
 namespace {
 
@@ -241,6 +243,38 @@ void check_tensors(const char* name, const char* index_name, const torch::Tensor
               name, ": float32 only");
   TORCH_CHECK(index.scalar_type() == torch::kLong && lengths.scalar_type() == torch::kLong, name, ": int64 ",
               index_name, " and lengths");
+}
+
+// Task ids 0 .. tasks-1, longest sequence first (task t belongs to sequence t / tasks_per_sequence):
+// lengths differ several-fold, and handing the long ones out first keeps both threads busy to the end.
+inline std::vector<int64_t> longest_first(int64_t tasks, int64_t tasks_per_sequence, const int64_t* length_of) {
+  std::vector<int64_t> order(tasks);
+  std::iota(order.begin(), order.end(), 0);
+  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
+    return length_of[x / tasks_per_sequence] > length_of[y / tasks_per_sequence];
+  });
+  return order;
+}
+
+// scores [heads, n] -> scaled, capped (softcap > 0) and exponentiated against each head's peak;
+// totals[h] their sum (the softmax's denominator, applied by `normalise` at the end).
+inline void softmax_numerators(float* scores, int64_t heads, int64_t n, float scale, float cap, float* totals) {
+  // two loops, so the common one (no cap) vectorises
+  for (int64_t i = 0; i < heads * n; ++i) scores[i] *= scale;
+  if (cap > 0.f)
+    for (int64_t i = 0; i < heads * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
+  for (int64_t h = 0; h < heads; ++h) {
+    float* s = scores + h * n;
+    totals[h] = exp_shifted(s, n, *std::max_element(s, s + n));
+  }
+}
+
+// out [heads, dim] /= totals[h]
+inline void normalise(float* out, const float* totals, int64_t heads, int64_t dim) {
+  for (int64_t h = 0; h < heads; ++h) {
+    const float inverse = 1.f / totals[h];
+    for (int64_t d = 0; d < dim; ++d) out[h * dim + d] *= inverse;
+  }
 }
 
 }  // namespace

@@ -61,11 +61,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tenso
   // Longest sequences first, handed out one at a time: lengths differ several-fold, and a static
   // split would leave one thread idle while another still works through the long ones.
   const int64_t tasks = batch * tasks_per_sequence;
-  std::vector<int64_t> order(tasks);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    return length_of[x / tasks_per_sequence] > length_of[y / tasks_per_sequence];
-  });
+  const std::vector<int64_t> order = longest_first(tasks, tasks_per_sequence, length_of);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;
@@ -103,17 +99,10 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tenso
         for (int64_t h = 0; h < heads_per_task; ++h)
           scores[h * n + (t - first)] = dot(q + h * dim, k + (head0 + h) / group * dim, dim);
       }
-      // two loops, so the common one (no cap) vectorises
-      for (int64_t i = 0; i < heads_per_task * n; ++i) scores[i] *= scale_f;
-      if (cap > 0.f)
-        for (int64_t i = 0; i < heads_per_task * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
+      std::vector<float> totals(heads_per_task);
+      softmax_numerators(scores.data(), heads_per_task, n, scale_f, cap, totals.data());
       float* out = out_all + (b * heads + head0) * dim;
       std::fill(out, out + heads_per_task * dim, 0.f);
-      std::vector<float> totals(heads_per_task);
-      for (int64_t h = 0; h < heads_per_task; ++h) {
-        float* s = scores.data() + h * n;
-        totals[h] = exp_shifted(s, n, *std::max_element(s, s + n));
-      }
       auto value_row = [&](int64_t t) { return v_pool + offsets[t]; };
       for (t = first; t < length; t += ROWS) {  // ROWS rows per pass: the output stays in registers
         const int64_t count = std::min<int64_t>(ROWS, length - t);
@@ -128,10 +117,7 @@ torch::Tensor paged_decode(torch::Tensor query, torch::Tensor keys, torch::Tenso
           weighted_sum(scores.data() + h * n + (t - first), v, count, out + h * dim, dim);
         }
       }
-      for (int64_t h = 0; h < heads_per_task; ++h) {
-        const float inverse = 1.f / totals[h];
-        for (int64_t d = 0; d < dim; ++d) out[h * dim + d] *= inverse;
-      }
+      normalise(out, totals.data(), heads_per_task, dim);
     }
   });
   return output;
@@ -177,9 +163,7 @@ torch::Tensor paged_decode_rows(torch::Tensor query, torch::Tensor keys, torch::
   const float scale_f = static_cast<float>(scale), cap = static_cast<float>(softcap);
   // a task is one KV head of one sequence with its group of query heads; longest first
   const int64_t tasks = batch * kv_heads;
-  std::vector<int64_t> order(tasks);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) { return length_of[x] > length_of[y]; });
+  const std::vector<int64_t> order = longest_first(tasks, 1, length_of);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores;

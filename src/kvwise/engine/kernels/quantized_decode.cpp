@@ -317,11 +317,7 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
   const int64_t heads_per_task = batch >= 2 * at::get_num_threads() ? heads : group;
   const int64_t tasks_per_sequence = heads / heads_per_task;
   const int64_t tasks = batch * tasks_per_sequence;
-  std::vector<int64_t> order(tasks);
-  std::iota(order.begin(), order.end(), 0);
-  std::stable_sort(order.begin(), order.end(), [&](int64_t x, int64_t y) {
-    return length_of[x / tasks_per_sequence] > length_of[y / tasks_per_sequence];
-  });
+  const std::vector<int64_t> order = longest_first(tasks, tasks_per_sequence, length_of);
   std::atomic<int64_t> next{0};
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
     std::vector<float> scores, staged(block_size * row);
@@ -365,16 +361,10 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
           for (int64_t h = 0; h < heads_per_task; ++h)
             s[h * n + (t - lo)] = dot(q + h * dim, rows + t * row + (head0 + h) / group * dim, dim);
       }
-      for (int64_t i = 0; i < heads_per_task * n; ++i) scores[i] *= scale_f;
-      if (cap > 0.f)
-        for (int64_t i = 0; i < heads_per_task * n; ++i) scores[i] = std::tanh(scores[i] / cap) * cap;
+      std::vector<float> totals(heads_per_task);
+      softmax_numerators(scores.data(), heads_per_task, n, scale_f, cap, totals.data());
       float* out = out_all + (b * heads + head0) * dim;
       std::fill(out, out + heads_per_task * dim, 0.f);
-      std::vector<float> totals(heads_per_task);
-      for (int64_t h = 0; h < heads_per_task; ++h) {
-        float* s = scores.data() + h * n;
-        totals[h] = exp_shifted(s, n, *std::max_element(s, s + n));
-      }
       for (int64_t i = first / block_size; i * block_size < length; ++i) {
         const int64_t start = i * block_size, lo = std::max(start, first) - start;
         const int64_t hi = std::min(start + block_size, length) - start;
@@ -390,10 +380,7 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
           }
         }
       }
-      for (int64_t h = 0; h < heads_per_task; ++h) {
-        const float inverse = 1.f / totals[h];
-        for (int64_t d = 0; d < dim; ++d) out[h * dim + d] *= inverse;
-      }
+      normalise(out, totals.data(), heads_per_task, dim);
     }
   });
   return output;

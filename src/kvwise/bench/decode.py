@@ -26,6 +26,7 @@ from tqdm import tqdm
 
 from kvwise.bench.haystack import read_haystack
 from kvwise.bench.report_files import model_label, new_report, system_line, write_report
+from kvwise.bench.reuse import plain_copy_seconds, synchronize
 
 FORMS = ("full", "int8", "kivi4", "kivi2", "snapkv@0.9", "quest@0.9")
 
@@ -60,21 +61,7 @@ class DecodeConfig:
 def memory_bandwidth(device: torch.device, nbytes: int, repeats: int = 5) -> float:
     """Bytes per second of the fastest of `repeats` copies of `nbytes` (each byte read once and
     written once; bytes copied over seconds, as a copy benchmark reports it)."""
-    source = torch.ones(nbytes // 4, dtype=torch.float32, device=device)
-    target = torch.empty_like(source)
-    best = float("inf")
-    for _ in range(repeats + 1):  # the first copy faults the target's pages in
-        _synchronize(device)
-        started = time.perf_counter()
-        target.copy_(source)
-        _synchronize(device)
-        best = min(best, time.perf_counter() - started)
-    return nbytes / best
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+    return nbytes / plain_copy_seconds(nbytes, repeats, device)
 
 
 class AttentionClock:
@@ -90,10 +77,10 @@ class AttentionClock:
         from kvwise.engine.runner import ATTENTION_NAME, paged_attention, register_paged_attention
 
         def timed(*args, **kwargs):
-            _synchronize(self.device)
+            synchronize(self.device)
             started = time.perf_counter()
             output = paged_attention(*args, **kwargs)
-            _synchronize(self.device)
+            synchronize(self.device)
             self.seconds += time.perf_counter() - started
             return output
 
@@ -140,10 +127,10 @@ def measure_point(model, tokenizer, prompts: list[list[int]], form: str, config:
     with clock.timing():
         for _ in range(config.steps):
             clock.seconds = 0.0
-            _synchronize(device)
+            synchronize(device)
             started = time.perf_counter()
             engine.step()
-            _synchronize(device)
+            synchronize(device)
             step_seconds.append(time.perf_counter() - started)
             attention_seconds.append(clock.seconds)
             chunks = engine.step_log[-1].chunks

@@ -411,8 +411,11 @@ class ModelRunner:
         else:
             kernel_groups = decode_buckets(plain, self.block_size)
         by_rows = [c for c in decodes if self._reads_rows(c.request)]
-        kernel_read = {id(c) for c in quantized} | {id(c) for c in by_rows}
-        alone = [[c] for c in decodes if _own_group(c.request) and id(c) not in kernel_read]
+        alone = [
+            [c]
+            for c in decodes
+            if _own_group(c.request) and not self._reads_rows(c.request) and not self._reads_quantized(c.request)
+        ]
         buckets = kernel_groups + ([by_rows] if by_rows else []) + alone
         prefills = [c for c in chunks if c.end - c.start > 1]
         ordered = [chunk for bucket in buckets for chunk in bucket] + prefills  # the flat token order

@@ -332,7 +332,10 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
       scores.resize(heads_per_task * n);  // [heads_per_task, n]
       // The rows of block `i` from token `lo` to `hi` (within the block): the pool's block, or the
       // quantized one staged for those tokens and heads.
+      // (and the next block of the table, when it is a pool block, requested ahead of its use)
       auto block_rows = [&](const char* pool, const QuantizedRole& role, int64_t i, int64_t lo, int64_t hi) {
+        if ((i + 1) * block_size < length && table[i + 1] >= 0)
+          prefetch_bytes(pool + table[i + 1] * block_size * row * element, block_size * row * element);
         const int64_t id = table[i];
         if (id < 0) {
           role.stage(-id - 1, head_lo, head_hi, lo, hi, staged.data());
@@ -346,8 +349,6 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
       for (int64_t i = first / block_size; i * block_size < length; ++i) {
         const int64_t start = i * block_size, lo = std::max(start, first) - start;
         const int64_t hi = std::min(start + block_size, length) - start;
-        if (i * block_size + block_size < length && table[i + 1] >= 0)
-          prefetch_bytes(k_pool + table[i + 1] * block_size * row * element, block_size * row * element);
         const float* rows = block_rows(k_pool, key_role, i, lo, hi);
         float* s = scores.data() + (start + lo - first);
         int64_t t = lo;
@@ -368,8 +369,6 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
       for (int64_t i = first / block_size; i * block_size < length; ++i) {
         const int64_t start = i * block_size, lo = std::max(start, first) - start;
         const int64_t hi = std::min(start + block_size, length) - start;
-        if (i * block_size + block_size < length && table[i + 1] >= 0)
-          prefetch_bytes(v_pool + table[i + 1] * block_size * row * element, block_size * row * element);
         const float* rows = block_rows(v_pool, value_role, i, lo, hi);
         for (int64_t t = lo; t < hi; t += ROWS) {
           const int64_t count = std::min<int64_t>(ROWS, hi - t);

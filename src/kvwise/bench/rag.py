@@ -206,8 +206,11 @@ def _row(system: str, settings: dict, wall: float, ttft: list[float], tpot: list
 
 
 def run_rag(config: RagConfig, out_dir: Path) -> dict:
+    from kvwise.bench.vllm_compare import VLLM
     from kvwise.models import load_model
 
+    if config.compare:
+        VLLM.python()  # made (or found) before anything runs: a failed install loses no measurement
     model, tokenizer = load_model(config.model, dtype=config.dtype)
     parts = rag_prompts(tokenizer, config)
     prompts = [ids for ids, _ in parts]

@@ -269,8 +269,11 @@ def _row(model, system, config, started, first, finished, peak_tokens) -> dict:
 
 
 def run_throughput(config: ThroughputConfig, out_dir: Path) -> dict:
+    from kvwise.bench.vllm_compare import VLLM
     from kvwise.models import load_model
 
+    if config.compare:
+        VLLM.python()  # made (or found) before anything runs: a failed install loses no measurement
     model, tokenizer = load_model(config.model, dtype=config.dtype)
     prompts = workload(tokenizer, config)
     out_dir.mkdir(parents=True, exist_ok=True)

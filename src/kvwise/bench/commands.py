@@ -161,6 +161,13 @@ def add_throughput_parser(workloads) -> None:
         help="a KV mix on every request (e.g. kvzip@0.9): the engine with it, and the library path with and without",
     )
     _compare_vllm(throughput)
+    throughput.add_argument(
+        "--profile",
+        action="store_true",
+        default=None,
+        help="run kvwise's engine once more with each part of its step timed (linear layers, attention, "
+        "sampling, detokenizing, the engine's Python) and add the breakdown to the report",
+    )
 
 
 def _compare_vllm(parser) -> None:
@@ -358,7 +365,7 @@ TABLE = {
         "throughput:ThroughputConfig",
         "throughput:run_throughput",
         {"requests": 8, "min_prompt": 64, "max_prompt": 128, "new_tokens": 16},
-        ("dtype", "requests", "systems", "mix", "compare"),
+        ("dtype", "requests", "systems", "mix", "compare", "profile"),
     ),
     "decode": TableBench(
         "decode:DecodeConfig",

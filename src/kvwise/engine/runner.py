@@ -37,6 +37,7 @@ from kvwise.engine.kv_view import RunnerView
 from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.quantized_kernel import NO_ROLES
 from kvwise.engine.scheduler import Chunk
+from kvwise.engine.step_profile import StepProfile
 from kvwise.hf.attention import attention_implementation
 from kvwise.hf.attention_inputs import ENGINE_STEP_ATTRIBUTE, install_attention_input_hooks
 from kvwise.hf.geometry import kv_geometry
@@ -77,6 +78,11 @@ class AttentionGroup:
     rows: RowsDecode | None = None  # CPU-kernel decode group of requests with head regions
     quest: object = None  # one decode chunk whose request reads only its top pages (Quest): the request
     _windowed: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
+
+    @property
+    def decodes(self) -> bool:
+        """Whether the group's chunks are decodes: one query each."""
+        return self.last - self.first == self.chunks
 
     def window_mask(self, window: int) -> torch.Tensor:
         """[C, 1, queries, keys] bool: causal and within `window` positions (sliding-window layers;
@@ -157,6 +163,7 @@ class StepLayout:
     quantized_kernel: object = None  # cpu_kernel.quantized_decode_kernel(), for groups with `quantized`
     # layer -> [1, T, hidden]: each layer's input, kept when a compaction scores hidden states (kvzap)
     attention_inputs: dict = field(default_factory=dict)
+    profile: StepProfile | None = None  # while a bench profiles the engine: attention timed per group
 
     @property
     def wants_attention_inputs(self) -> bool:
@@ -186,67 +193,71 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     layer = module.layer_idx
     storage = layout.storage
     storage.write(layer, layout.slots, key[0].transpose(0, 1), value[0].transpose(0, 1))
-    kv_heads, head_dim = key.shape[1], key.shape[3]
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")  # Gemma 2/3, Mistral, Qwen2 hybrids
     outputs = []
     for group in layout.groups:
-        if group.rows is not None:  # one query per chunk, each KV head's own rows read in place
-            queries = query[0, :, group.first : group.last].transpose(0, 1)  # [C, heads, dim]
-            rows, lengths = group.rows.at(layer)
-            keys, values = storage.cells()
-            scale = scaling if scaling is not None else head_dim**-0.5
-            outputs.append(layout.rows_kernel(queries, keys, values, rows, lengths, scale, softcap or 0.0))
-            continue
-        if group.lengths is not None:  # one query per chunk, blocks read in place by the CPU kernel
-            queries = query[0, :, group.first : group.last].transpose(0, 1)  # [C, heads, dim]
-            scale = scaling if scaling is not None else head_dim**-0.5
-            tables = group.blocks.view(group.chunks, -1)
-            keys, values = storage.keys[layer], storage.values[layer]
-            capped, windowed = softcap or 0.0, window or 0
-            if group.quantized is not None or layout.decode_kernel is None:  # quantized blocks, or bfloat16
-                roles = group.quantized.kernel_roles[layer] if group.quantized is not None else NO_ROLES
-                kernel = layout.quantized_kernel
-                output = kernel(queries.float(), keys, values, tables, group.lengths, scale, capped, windowed, *roles)
-                outputs.append(output.to(query.dtype))
-            else:
-                kernel = layout.decode_kernel
-                outputs.append(kernel(queries, keys, values, tables, group.lengths, scale, capped, windowed))
-            continue
-        if group.quest is not None:
-            outputs.append(_quest_attend(group, storage, layer, query, scaling, softcap))
-            continue
-        # index_select reads whole blocks; advanced indexing with a 2-D table is 4x slower on CPU
-        shape = (group.chunks, -1, kv_heads, head_dim)
-        if group.mixed is not None:
-            keys, values = group.mixed.read(storage, layer)
-            keys, values = keys.view(shape)[:, : group.keys_per_chunk], values.view(shape)[:, : group.keys_per_chunk]
-        elif group.first_block is not None:  # no copy at all
-            span = slice(group.first_block, group.first_block + len(group.blocks))
-            keys = storage.keys[layer][span].view(shape)[:, : group.keys_per_chunk]
-            values = storage.values[layer][span].view(shape)[:, : group.keys_per_chunk]
-        else:
-            keys = storage.keys[layer].index_select(0, group.blocks).view(shape)[:, : group.keys_per_chunk]
-            values = storage.values[layer].index_select(0, group.blocks).view(shape)[:, : group.keys_per_chunk]
-        queries = query[0, :, group.first : group.last].unflatten(1, (group.chunks, -1)).transpose(0, 1)
-        mask, causal = group.mask, group.causal
-        if group.region is not None:
-            keys, values, mask = _with_region(group, storage, layer, keys, values, window, query.shape[1])
-            causal = False
-        elif window is not None and window < group.keys_per_chunk:
-            mask, causal = group.window_mask(window), False
-        output = _attend(
-            queries,  # [C, heads, queries per chunk, dim]
-            keys.transpose(1, 2),  # [C, kv_heads, keys, dim]
-            values.transpose(1, 2),
-            mask,
-            causal,
-            scaling,
-            softcap,
-        )
-        outputs.append(output.transpose(1, 2).flatten(0, 1))  # [tokens, heads, dim]
+        timer = layout.profile.attention(group.decodes) if layout.profile is not None else contextlib.nullcontext()
+        with timer:
+            outputs.append(_group_attention(group, layout, layer, query, key, scaling, window, softcap))
     for compaction in layout.compactions:  # after attention: this forward's queries saw every token
         compaction.apply(storage, layer, query, scaling, layout.attention_inputs.pop(layer, None))
     return torch.cat(outputs)[None], None  # [1, T, heads, dim]
+
+
+def _group_attention(group: AttentionGroup, layout, layer: int, query, key, scaling, window, softcap) -> torch.Tensor:
+    """One group's attention output [tokens, heads, dim] (its keys and values already written)."""
+    storage = layout.storage
+    kv_heads, head_dim = key.shape[1], key.shape[3]
+    if group.rows is not None:  # one query per chunk, each KV head's own rows read in place
+        queries = query[0, :, group.first : group.last].transpose(0, 1)  # [C, heads, dim]
+        rows, lengths = group.rows.at(layer)
+        keys, values = storage.cells()
+        scale = scaling if scaling is not None else head_dim**-0.5
+        return layout.rows_kernel(queries, keys, values, rows, lengths, scale, softcap or 0.0)
+    if group.lengths is not None:  # one query per chunk, blocks read in place by the CPU kernel
+        queries = query[0, :, group.first : group.last].transpose(0, 1)  # [C, heads, dim]
+        scale = scaling if scaling is not None else head_dim**-0.5
+        tables = group.blocks.view(group.chunks, -1)
+        keys, values = storage.keys[layer], storage.values[layer]
+        capped, windowed = softcap or 0.0, window or 0
+        if group.quantized is not None or layout.decode_kernel is None:  # quantized blocks, or bfloat16
+            roles = group.quantized.kernel_roles[layer] if group.quantized is not None else NO_ROLES
+            kernel = layout.quantized_kernel
+            output = kernel(queries.float(), keys, values, tables, group.lengths, scale, capped, windowed, *roles)
+            return output.to(query.dtype)
+        kernel = layout.decode_kernel
+        return kernel(queries, keys, values, tables, group.lengths, scale, capped, windowed)
+    if group.quest is not None:
+        return _quest_attend(group, storage, layer, query, scaling, softcap)
+    # index_select reads whole blocks; advanced indexing with a 2-D table is 4x slower on CPU
+    shape = (group.chunks, -1, kv_heads, head_dim)
+    if group.mixed is not None:
+        keys, values = group.mixed.read(storage, layer)
+        keys, values = keys.view(shape)[:, : group.keys_per_chunk], values.view(shape)[:, : group.keys_per_chunk]
+    elif group.first_block is not None:  # no copy at all
+        span = slice(group.first_block, group.first_block + len(group.blocks))
+        keys = storage.keys[layer][span].view(shape)[:, : group.keys_per_chunk]
+        values = storage.values[layer][span].view(shape)[:, : group.keys_per_chunk]
+    else:
+        keys = storage.keys[layer].index_select(0, group.blocks).view(shape)[:, : group.keys_per_chunk]
+        values = storage.values[layer].index_select(0, group.blocks).view(shape)[:, : group.keys_per_chunk]
+    queries = query[0, :, group.first : group.last].unflatten(1, (group.chunks, -1)).transpose(0, 1)
+    mask, causal = group.mask, group.causal
+    if group.region is not None:
+        keys, values, mask = _with_region(group, storage, layer, keys, values, window, query.shape[1])
+        causal = False
+    elif window is not None and window < group.keys_per_chunk:
+        mask, causal = group.window_mask(window), False
+    output = _attend(
+        queries,  # [C, heads, queries per chunk, dim]
+        keys.transpose(1, 2),  # [C, kv_heads, keys, dim]
+        values.transpose(1, 2),
+        mask,
+        causal,
+        scaling,
+        softcap,
+    )
+    return output.transpose(1, 2).flatten(0, 1)  # [tokens, heads, dim]
 
 
 def _quest_attend(group: AttentionGroup, storage, layer: int, query, scaling, softcap):
@@ -386,6 +397,7 @@ class ModelRunner:
         self.quantized_kernel = quantized_decode_kernel() if wide and cpu_kernel else None
         linear = small_linear_kernel() if on_cpu and cpu_kernel else None
         self.small_row_linears = SmallRowLinears(model, linear) if linear is not None else None
+        self.profile: StepProfile | None = None  # set while a bench profiles the engine (`EngineCore.profiling`)
 
     @torch.no_grad()
     def forward(self, chunks: list[Chunk], compactions: list | None = None) -> ForwardOutput:
@@ -421,7 +433,7 @@ class ModelRunner:
         ordered = [chunk for bucket in buckets for chunk in bucket] + prefills  # the flat token order
         layout = self._layout(buckets, prefills, device)
         layout.decode_kernel, layout.rows_kernel = self.decode_kernel, self.rows_kernel
-        layout.quantized_kernel = self.quantized_kernel
+        layout.quantized_kernel, layout.profile = self.quantized_kernel, self.profile
         layout.compactions = _place(compactions or [], ordered)
         if layout.wants_attention_inputs:
             install_attention_input_hooks(self.model)
@@ -438,7 +450,11 @@ class ModelRunner:
             keep.extend(rows)
             first += size
         linears = self.small_row_linears.active() if self.small_row_linears else contextlib.nullcontext()
-        with attached_step(self.attention_modules, layout), linears:
+        timed = contextlib.nullcontext()
+        if self.profile is not None:
+            decode_tokens = sum(len(bucket) for bucket in buckets)
+            timed = self.profile.forward(len(ids[0]) - decode_tokens, decode_tokens)
+        with attached_step(self.attention_modules, layout), linears, timed:
             kept = torch.tensor(keep, device=device)
             logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=kept).logits[0]
         last = [spans[id(chunk)][0] + spans[id(chunk)][1] - 1 for chunk in chunks]

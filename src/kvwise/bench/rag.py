@@ -128,7 +128,7 @@ def _warm_up(core, prompts: list[list[int]]) -> None:
         pass
 
 
-def run_vllm_systems(model, tokenizer, prompts: list[list[int]], config: RagConfig, out_dir: Path, progress):
+def run_vllm_systems(model, tokenizer, prompts: list[list[int]], config: RagConfig, progress):
     """vLLM with prefix caching on, the same prompts from the same closed loop of clients: with its
     defaults, and with kvwise's batch limits."""
     from kvwise.bench.vllm_compare import run_vllm, saved_model, vllm_settings
@@ -147,7 +147,6 @@ def run_vllm_systems(model, tokenizer, prompts: list[list[int]], config: RagConf
                 prompts,
                 config.output_tokens,
                 setting,
-                out_dir,
                 warmup=warmup_prompt(prompts),
                 concurrency=config.concurrency,
             )
@@ -228,7 +227,7 @@ def run_rag(config: RagConfig, out_dir: Path) -> dict:
             else:
                 results.append(run_engine(model, tokenizer, parts, config, system.endswith("-on"), progress))
         if config.compare:
-            results += run_vllm_systems(model, tokenizer, prompts, config, out_dir, progress)
+            results += run_vllm_systems(model, tokenizer, prompts, config, progress)
     summary = {}
     by_reuse = {row["config"]["reuse"]: row for row in results if row["system"] == "kvwise"}
     if len(by_reuse) == 2:

@@ -213,7 +213,7 @@ def run_library(model, tokenizer, prompts, config: ThroughputConfig, progress, m
     return row
 
 
-def run_vllm_systems(model, tokenizer, prompts, config: ThroughputConfig, out_dir: Path, progress) -> list[dict]:
+def run_vllm_systems(model, tokenizer, prompts, config: ThroughputConfig, progress) -> list[dict]:
     """vLLM's CPU backend on the same prompts, all arriving at once: with its defaults, and with
     kvwise's batch limits; each row also keeps its first output tokens and vLLM's top-2 logprobs."""
     from kvwise.bench.vllm_compare import run_vllm, saved_model, vllm_settings
@@ -232,7 +232,6 @@ def run_vllm_systems(model, tokenizer, prompts, config: ThroughputConfig, out_di
                 prompts,
                 config.new_tokens,
                 setting,
-                out_dir,
                 warmup=warmup_prompt(prompts),
                 logprob_tokens=AGREEMENT_TOKENS,
             )
@@ -309,7 +308,7 @@ def run_throughput(config: ThroughputConfig, out_dir: Path) -> dict:
     runs = len(config.systems) + (3 if config.compare else 0)
     with tqdm(total=len(prompts) * runs, desc="throughput", unit="request") as progress:
         if config.compare:  # first: its defaults' limits are tried on kvwise too
-            results += run_vllm_systems(model, tokenizer, prompts, config, out_dir, progress)
+            results += run_vllm_systems(model, tokenizer, prompts, config, progress)
         for system in config.systems:
             if system == "kvwise":
                 results.append(run_kvwise(model, tokenizer, prompts, config, progress))

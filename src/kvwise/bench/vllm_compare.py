@@ -106,7 +106,6 @@ def run_vllm(
     prompts: list[list[int]],
     new_tokens: int,
     setting: VllmSetting,
-    out_dir: Path,
     warmup: list[int],
     concurrency: int = 0,
     logprob_tokens: int = 0,
@@ -121,10 +120,6 @@ def run_vllm(
     import torch
 
     python = VLLM.python()
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    spec_path, result_path = out_dir / f"{setting.name}.spec.json", out_dir / f"{setting.name}.runner.json"
-    result_path.unlink(missing_ok=True)
     spec = {
         "model_dir": model_dir,
         "dtype": dtype,
@@ -136,12 +131,15 @@ def run_vllm(
         "warmup_prompt_ids": list(warmup),
         "requests": [{"id": index, "prompt_ids": list(ids)} for index, ids in enumerate(prompts)],
     }
-    spec_path.write_text(json.dumps(spec))
     timeout_s = STARTUP_TIMEOUT_S + TIMEOUT_PER_REQUEST_S * len(prompts)
     environment = thread_environment(torch.get_num_threads())
     log.info("vllm: %s, threads bound to CPUs %s", setting.name, environment["VLLM_CPU_OMP_THREADS_BIND"])
-    _run_runner([str(python), "-I", str(RUNNER_PATH), str(spec_path), str(result_path)], timeout_s, environment)
-    result = json.loads(result_path.read_text())
+    # the exchange files go with the run: the bench's report keeps what they said
+    with tempfile.TemporaryDirectory(prefix="kvwise-vllm-run-") as exchange:
+        spec_path, result_path = Path(exchange) / "spec.json", Path(exchange) / "result.json"
+        spec_path.write_text(json.dumps(spec))
+        _run_runner([str(python), "-I", str(RUNNER_PATH), str(spec_path), str(result_path)], timeout_s, environment)
+        result = json.loads(result_path.read_text())
     result["threads_bind"] = environment["VLLM_CPU_OMP_THREADS_BIND"]
     return result
 

@@ -1,4 +1,4 @@
-"""The small_linear kernel against torch's linear, and SmallRowLinears leaving the model as it was."""
+"""The small_linear kernel against torch's linear, and CpuLinears leaving the model as it was."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from kvwise.engine import cpu_kernel
-from kvwise.engine.cpu_linear import MAX_ROWS, SmallRowLinears
+from kvwise.engine.cpu_linear import MAX_ROWS, CpuLinears, onednn_linear
 
 kernel = cpu_kernel.small_linear_kernel()
 needs_kernel = pytest.mark.skipif(
@@ -60,7 +60,7 @@ class Recorder:
 def test_few_rows_take_the_kernel_and_the_model_is_restored():
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4, bias=False))
     recorder = Recorder()
-    linears = SmallRowLinears(model, recorder)
+    linears = CpuLinears(model, recorder)
     few, many = torch.randn(1, MAX_ROWS, 8), torch.randn(1, MAX_ROWS + 1, 8)
     expected = model(few)
     with linears.active():
@@ -74,8 +74,29 @@ def test_restored_after_an_error_and_wrapped_layers_are_left_alone():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
     hooked = model[1].forward
     model[1].forward = hooked  # as accelerate's offloading hooks install themselves
-    linears = SmallRowLinears(model, Recorder())
+    linears = CpuLinears(model, Recorder())
     assert linears.layers == [model[0]]
     with pytest.raises(RuntimeError), linears.active():
         model(torch.randn(2, 5))  # wrong width: the first layer fails
     assert "forward" not in vars(model[0]) and vars(model[1])["forward"] is hooked
+
+
+def test_more_rows_take_onednn_and_match_torch():
+    large = onednn_linear()
+    if large is None:
+        pytest.skip("this torch has no oneDNN linear")
+    model = torch.nn.Sequential(torch.nn.Linear(48, 96), torch.nn.Linear(96, 32, bias=False))
+    recorder, calls = Recorder(), []
+
+    def counted(x, weight, bias):
+        calls.append(x.shape[0])
+        return large(x, weight, bias)
+
+    linears = CpuLinears(model, recorder, counted)
+    many = torch.randn(1, 3 * MAX_ROWS, 48)
+    expected = model(many)
+    with linears.active():
+        torch.testing.assert_close(model(many), expected, rtol=1e-5, atol=1e-5)
+        model(many[:, :4])
+    assert calls == [3 * MAX_ROWS, 3 * MAX_ROWS] and recorder.rows == [4, 4]
+    assert all("forward" not in vars(layer) for layer in model)

@@ -1,12 +1,19 @@
-"""Projections of a few rows on CPU through the compiled `small_linear` kernel.
+"""The model's float32 projections on CPU, by size: a few rows through the compiled `small_linear`
+kernel, more through oneDNN.
 
 A decode step multiplies each weight of the model by one row per running sequence. At that size
 MKL's sgemm spends its time packing the weight; kernels/small_linear.cpp streams each weight row
 once; with the weights coming from memory it measured up to 2x faster at 1 row, and its AVX-512
-path for 16-64 rows 1.3-2.4x (its AVX2 path matches sgemm by 64 rows). While
-the runner's forward runs, each plain `nn.Linear` of the model takes that path for inputs of at
-most MAX_ROWS rows (decode steps, and the LM head after each chunk's last token); afterwards the
-model is exactly as it was, so other users of the same model object see torch's linear.
+path for 16-64 rows 1.3-2.4x (its AVX2 path matches sgemm by 64 rows). Above MAX_ROWS rows (the
+prefill's projections) `torch.nn.functional.linear` calls MKL's sgemm in float32; oneDNN's
+matmul (`torch.ops.mkldnn._linear_pointwise`, the op inductor uses on CPU), given the same dense
+weight and no copy of it, ran the embedded model's projections 1.35x faster at 300-2048 rows in
+a microbenchmark on this project's AVX-512 machine, and a whole 2,048-token forward 1.07x
+(bfloat16 already goes through oneDNN).
+
+While the runner's forward runs, each plain float32 `nn.Linear` of the model takes these paths;
+afterwards the model is exactly as it was, so other users of the same model object see torch's
+linear.
 """
 
 from __future__ import annotations
@@ -20,9 +27,32 @@ import torch.nn.functional as F
 MAX_ROWS = 64  # above this, sgemm's packing pays for itself and MKL is as fast or faster
 
 
-class SmallRowLinears:
-    def __init__(self, model: torch.nn.Module, kernel):
-        self.kernel = kernel
+def onednn_linear():
+    """oneDNN's linear, y = x @ weight^T + bias for 2-D float32 x, or None where this torch lacks
+    it or it fails on this CPU."""
+    if not torch.backends.mkldnn.is_available() or not hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        return None
+
+    def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        # a registered aten op, not a private attribute: torch names its oneDNN ops with a leading _
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # noqa: SLF001
+
+    try:
+        probe = torch.ones(3, 4)
+        if not torch.allclose(
+            linear(probe, torch.ones(2, 4), torch.ones(2)), F.linear(probe, torch.ones(2, 4), torch.ones(2))
+        ):
+            return None
+    except RuntimeError:
+        return None
+    return linear
+
+
+class CpuLinears:
+    def __init__(self, model: torch.nn.Module, kernel, large=None):
+        """kernel: `small_linear` for inputs of at most MAX_ROWS rows, or None; large: `onednn_linear()`
+        for more rows, or None (torch's linear)."""
+        self.kernel, self.large = kernel, large
         # subclasses (quantized or LoRA linears) and modules whose forward is already wrapped on the
         # instance (accelerate's offloading hooks) keep their own path
         self.layers = [
@@ -38,10 +68,13 @@ class SmallRowLinears:
     def _forward(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         features = x.shape[-1]
         rows = x.numel() // features if features else 0
-        if 0 < rows <= MAX_ROWS and x.dtype == torch.float32 and x.device.type == "cpu":
-            out = self.kernel(x.reshape(rows, features), layer.weight, layer.bias)  # [rows, out_features]
-            return out.view(*x.shape[:-1], layer.out_features)
-        return F.linear(x, layer.weight, layer.bias)
+        if rows == 0 or x.dtype != torch.float32 or x.device.type != "cpu":
+            return F.linear(x, layer.weight, layer.bias)
+        compute = self.kernel if rows <= MAX_ROWS else self.large
+        if compute is None:
+            return F.linear(x, layer.weight, layer.bias)
+        out = compute(x.reshape(rows, features), layer.weight, layer.bias)  # [rows, out_features]
+        return out.view(*x.shape[:-1], layer.out_features)
 
     @contextlib.contextmanager
     def active(self):

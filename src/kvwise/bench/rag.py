@@ -28,8 +28,8 @@ from kvwise.bench.rag_compress import MATCH_TOKENS, compression_summary, documen
 from kvwise.bench.rag_workload import RagWorkload, rag_prompts
 from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
-from kvwise.bench.throughput import WARMUP_TOKENS, generate_timed, warmup_prompt
-from kvwise.bench.vllm_compare import parse_compare
+from kvwise.bench.throughput import WARMUP_TOKENS, generate_timed
+from kvwise.bench.vllm_compare import parse_compare, vllm_setup_line, warmup_prompt
 from kvwise.engine.kv_settings import resolve
 from kvwise.hf.cache import full_kv_bytes
 
@@ -131,44 +131,25 @@ def _warm_up(core, prompts: list[list[int]]) -> None:
 def run_vllm_systems(model, tokenizer, prompts: list[list[int]], config: RagConfig, progress):
     """vLLM with prefix caching on, the same prompts from the same closed loop of clients: with its
     defaults, and with kvwise's batch limits."""
-    from kvwise.bench.vllm_compare import run_vllm, saved_model, vllm_settings
-    from kvwise.engine.config import CacheConfig
+    from kvwise.bench.vllm_compare import run_vllm_settings
 
-    limits = CacheConfig()
-    longest = max(map(len, prompts)) + config.output_tokens
-    settings = vllm_settings(limits.max_running, limits.token_budget, True, longest)
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     rows = []
-    with saved_model(model, tokenizer) as model_dir:
-        for setting in settings:
-            result = run_vllm(
-                model_dir,
-                dtype,
-                prompts,
-                config.output_tokens,
-                setting,
-                warmup=warmup_prompt(prompts),
-                concurrency=config.concurrency,
-            )
-            requests = result["requests"]
-            ttft = [r["first_token_s"] - r["arrival_s"] for r in requests]
-            tpot = [(r["finish_s"] - r["first_token_s"]) / max(len(r["tokens"]) - 1, 1) for r in requests]
-            wall = max(r["finish_s"] for r in requests)
-            vllm_config = {"reuse": True, "concurrency": config.concurrency, "vllm_version": result["vllm_version"]}
-            row = _row(
-                setting.name,
-                {**vllm_config, "engine_args": result["engine_args"]},
-                wall,
-                ttft,
-                tpot,
-                config,
-                len(requests),
-            )
-            row["config"]["threads_bind"] = result["threads_bind"]
-            row["hit_rate"] = sum(r["cached_tokens"] for r in requests) / sum(map(len, prompts))
-            row["peak_kv_bytes"] = None  # vLLM preallocates its whole KV space
-            rows.append(row)
-            progress.update(len(prompts))
+    runs = run_vllm_settings(model, tokenizer, prompts, config.output_tokens, concurrency=config.concurrency)
+    for setting, result, shared in runs:
+        requests = result["requests"]
+        ttft = [r["first_token_s"] - r["arrival_s"] for r in requests]
+        tpot = [(r["finish_s"] - r["first_token_s"]) / max(len(r["tokens"]) - 1, 1) for r in requests]
+        wall = max(r["finish_s"] for r in requests)
+        settings = {
+            "reuse": True,
+            "concurrency": config.concurrency,
+            "vllm_version": result["vllm_version"],
+            "engine_args": result["engine_args"],
+            "effective": result["effective"],
+            "threads_bind": result["threads_bind"],
+        }
+        rows.append({**_row(setting.name, settings, wall, ttft, tpot, config, len(requests)), **shared})
+        progress.update(len(prompts))
     return rows
 
 
@@ -274,6 +255,9 @@ def markdown(report: dict) -> str:
             f"TTFT p50 with reuse {summary['ttft_p50_speedup']:.2f}x better than without (p99 "
             f"{summary['ttft_p99_speedup']:.2f}x); bound 1/(1 - hit rate) = {summary['bound']:.2f}x",
         ]
+    setup = vllm_setup_line(report["results"])
+    if setup:
+        lines += ["", setup]
     for versus in summary.get("versus_vllm", []):
         lines += [
             "",

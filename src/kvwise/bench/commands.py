@@ -160,7 +160,7 @@ def add_throughput_parser(workloads) -> None:
         default=None,
         help="a KV mix on every request (e.g. kvzip@0.9): the engine with it, and the library path with and without",
     )
-    _compare_vllm(throughput)
+    add_compare_argument(throughput)
     throughput.add_argument(
         "--profile",
         action="store_true",
@@ -170,7 +170,7 @@ def add_throughput_parser(workloads) -> None:
     )
 
 
-def _compare_vllm(parser) -> None:
+def add_compare_argument(parser) -> None:
     parser.add_argument(
         "--compare",
         default=None,
@@ -208,7 +208,7 @@ def add_rag_parser(workloads) -> None:
         help="a KV mix such as kvzip@0.75+kivi4: also compress each document once and reuse it, "
         "against plain reuse and the library path",
     )
-    _compare_vllm(rag)
+    add_compare_argument(rag)
 
 
 def add_isolation_parser(workloads) -> None:

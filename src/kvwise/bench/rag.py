@@ -28,8 +28,8 @@ from kvwise.bench.rag_compress import MATCH_TOKENS, compression_summary, documen
 from kvwise.bench.rag_workload import RagWorkload, rag_prompts
 from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
-from kvwise.bench.throughput import WARMUP_TOKENS, generate_timed
-from kvwise.bench.vllm_compare import parse_compare, vllm_setup_line, warmup_prompt
+from kvwise.bench.throughput import generate_timed
+from kvwise.bench.vllm_compare import WARMUP_TOKENS, parse_compare, vllm_setup_line, warmup_prompt
 from kvwise.engine.kv_settings import resolve
 from kvwise.hf.cache import full_kv_bytes
 
@@ -124,8 +124,8 @@ def _warm_up(core, prompts: list[list[int]]) -> None:
 
     params = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
     core.add(core.make_request(warmup_prompt(prompts), params))
-    while any(event.finish_reason is None for event in core.step()):
-        pass
+    while core.has_work:
+        core.step()
 
 
 def run_vllm_systems(model, tokenizer, prompts: list[list[int]], config: RagConfig, progress):
@@ -198,6 +198,8 @@ def run_rag(config: RagConfig, out_dir: Path) -> dict:
     results, library = [], None
     runs = len(config.systems) + (2 if config.compare else 0)
     with tqdm(total=len(prompts) * runs, desc="rag", unit="request") as progress:
+        if config.compare:  # first: should its runner fail, no measurement of kvwise's is lost
+            results += run_vllm_systems(model, tokenizer, prompts, config, progress)
         for system in config.systems:
             if system == "hf-sequential":
                 results.append(run_hf_sequential(model, prompts, config, progress))
@@ -207,8 +209,6 @@ def run_rag(config: RagConfig, out_dir: Path) -> dict:
                 results.append(run_engine(model, tokenizer, parts, config, True, progress, config.compress))
             else:
                 results.append(run_engine(model, tokenizer, parts, config, system.endswith("-on"), progress))
-        if config.compare:
-            results += run_vllm_systems(model, tokenizer, prompts, config, progress)
     summary = {}
     by_reuse = {row["config"]["reuse"]: row for row in results if row["system"] == "kvwise"}
     if len(by_reuse) == 2:

@@ -24,10 +24,9 @@ from transformers.generation.streamers import BaseStreamer
 from kvwise.bench.haystack import read_haystack
 from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
-from kvwise.bench.vllm_compare import parse_compare, vllm_setup_line, warmup_prompt
+from kvwise.bench.vllm_compare import WARMUP_TOKENS, parse_compare, vllm_setup_line, warmup_prompt
 from kvwise.hf.cache import full_kv_bytes
 
-WARMUP_TOKENS = 8  # one warm-up request before the clock starts, on every engine
 AGREEMENT_TOKENS = 16  # leading greedy tokens compared with vLLM's
 NEAR_TIE = 1e-3  # a top-2 logprob gap under this is a near-tie: float rounding may pick either
 # (kvwise row, vLLM row) set side by side: each engine with its own limits, and each with the other's
@@ -62,8 +61,8 @@ class ThroughputConfig:
             added = ("kvwise", "kvwise-mix", "library-full", "library-mix")
             self.systems = tuple(self.systems) + tuple(name for name in added if name not in self.systems)
         self.compare = parse_compare(self.compare)
-        if self.compare and "kvwise" not in self.systems:
-            self.systems = (*self.systems, "kvwise")  # the row vLLM's are set against
+        if (self.compare or self.profile) and "kvwise" not in self.systems:
+            self.systems = (*self.systems, "kvwise")  # the row vLLM's are set against, and the one profiled
 
 
 def workload(tokenizer, config: ThroughputConfig) -> list[list[int]]:
@@ -225,7 +224,7 @@ def run_vllm_systems(model, tokenizer, prompts, config: ThroughputConfig, progre
             "threads_bind": result["threads_bind"],
         }
         row["outputs"] = [r["tokens"][:AGREEMENT_TOKENS] for r in requests]
-        row["top_logprobs"] = [r["top_logprobs"] for r in requests]
+        row["top_logprobs"] = [r.get("top_logprobs", []) for r in requests]
         rows.append(row)
         progress.update(len(prompts))
     return rows
@@ -247,13 +246,18 @@ def versus_vllm(results: list[dict]) -> list[dict]:
             {
                 "kvwise": mine,
                 "vllm": peer,
-                "tokens_per_second_ratio": ours["tokens_per_second"] / row["tokens_per_second"],
-                "ttft_p50_ratio": ours["ttft_p50_s"] / row["ttft_p50_s"],
-                "tpot_p50_ratio": ours["tpot_p50_s"] / row["tpot_p50_s"],
+                "tokens_per_second_ratio": _ratio(ours["tokens_per_second"], row["tokens_per_second"]),
+                "ttft_p50_ratio": _ratio(ours["ttft_p50_s"], row["ttft_p50_s"]),
+                "tpot_p50_ratio": _ratio(ours["tpot_p50_s"], row["tpot_p50_s"]),
                 "agreement": greedy_agreement(ours["outputs"], theirs, AGREEMENT_TOKENS, NEAR_TIE),
             }
         )
     return summary
+
+
+def _ratio(ours: float, theirs: float) -> float | None:
+    """ours / theirs, or None where theirs is 0 (one new token: no time per output token)."""
+    return ours / theirs if theirs else None
 
 
 def _row(model, system, config, started, first, finished, peak_tokens) -> dict:
@@ -355,15 +359,16 @@ def _vllm_lines(report: dict) -> list[str]:
     lines = []
     for versus in report.get("versus_vllm", []):
         agreement = versus["agreement"]
-        lines += [
-            "",
-            f"`{versus['kvwise']}` against `{versus['vllm']}`: output tok/s {versus['tokens_per_second_ratio']:.2f}x, "
-            f"TTFT p50 {versus['ttft_p50_ratio']:.2f}x, TPOT p50 {versus['tpot_p50_ratio']:.2f}x (under 1 is faster "
-            f"for TTFT and TPOT); first {agreement['tokens']} greedy tokens the same in {agreement['same']} of "
-            f"{agreement['requests']} requests, {agreement['divergences_at_near_ties']} of the "
-            f"{agreement['requests'] - agreement['same']} divergences at a near-tie (vLLM's top-2 logprob gap "
-            f"< {agreement['tie_threshold']:g}).",
-        ]
+        speed = (
+            f"output tok/s {_times(versus['tokens_per_second_ratio'])}, TTFT p50 {_times(versus['ttft_p50_ratio'])}, "
+            f"TPOT p50 {_times(versus['tpot_p50_ratio'])} (under 1 is faster for TTFT and TPOT)"
+        )
+        same = f"first {agreement['tokens']} greedy tokens the same in {agreement['same']} of {agreement['requests']}"
+        ties = (
+            f"{agreement['divergences_at_near_ties']} of the {agreement['requests'] - agreement['same']} divergences "
+            f"at a near-tie (vLLM's top-2 logprob gap < {agreement['tie_threshold']:g})"
+        )
+        lines += ["", f"`{versus['kvwise']}` against `{versus['vllm']}`: {speed}; {same} requests, {ties}."]
     setup = vllm_setup_line(report["results"])
     if setup:
         lines += [
@@ -371,6 +376,10 @@ def _vllm_lines(report: dict) -> list[str]:
             setup + " `kvwise-vllm-limits`: kvwise's engine with `vllm`'s max_num_seqs and max_num_batched_tokens.",
         ]
     return lines
+
+
+def _times(ratio: float | None) -> str:
+    return "n/a" if ratio is None else f"{ratio:.2f}x"
 
 
 def _profile_lines(report: dict) -> list[str]:

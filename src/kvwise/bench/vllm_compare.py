@@ -11,8 +11,9 @@ Fairness, stated in every report:
   (`VLLM_CPU_NUM_OF_RESERVED_CPU=0`); its default reserves one, which halves it on 2 cores;
 - limits: two configurations, vLLM's defaults and vLLM with kvwise's batch limits (running
   requests and tokens per step), since kvwise's limits were chosen for kvwise;
-- both engines answer one warm-up request before the clock starts, and a token's time is when the
-  engine step that made it returned.
+- both engines answer one warm-up request before the clock starts; neither computes logprobs in
+  its timed run (vLLM's for the greedy comparison come from an untimed pass after it); a token's
+  time is when vLLM's step that made it returned, and when kvwise's step sampled it.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ STARTUP_TIMEOUT_S = 900
 TIMEOUT_PER_REQUEST_S = 60
 KV_CACHE_GIB = 4  # vLLM's own default takes most of the machine's memory
 PROGRESS_LINE = re.compile(r"vllm (\d+/\d+|[\d.]+): ")
-TOP_LOGPROBS = 2
+WARMUP_TOKENS = 8  # the warm-up request's output, on every engine
 
 
 class VllmUnavailable(PeerUnavailable):
@@ -73,6 +74,7 @@ class VllmSetting:
 def vllm_settings(max_running: int, token_budget: int, prefix_caching: bool, max_model_len: int) -> list[VllmSetting]:
     """vLLM's defaults, and vLLM with kvwise's batch limits (`CacheConfig.max_running`, `token_budget`)."""
     base = {"enable_prefix_caching": prefix_caching, "max_model_len": max_model_len}
+    # vLLM refuses fewer tokens a step than running requests (each needs room for its next token)
     limits = {"max_num_seqs": max_running, "max_num_batched_tokens": max(token_budget, max_running)}
     return [VllmSetting("vllm", base), VllmSetting("vllm-kvwise-limits", {**base, **limits})]
 
@@ -176,9 +178,9 @@ def run_vllm(
         "engine_args": setting.engine_args,
         "new_tokens": new_tokens,
         "concurrency": concurrency,
-        "logprobs": TOP_LOGPROBS if logprob_tokens else 0,
         "logprob_tokens": logprob_tokens,
         "warmup_prompt_ids": list(warmup),
+        "warmup_tokens": WARMUP_TOKENS,
         "requests": [{"id": index, "prompt_ids": list(ids)} for index, ids in enumerate(prompts)],
     }
     timeout_s = STARTUP_TIMEOUT_S + TIMEOUT_PER_REQUEST_S * len(prompts)
@@ -201,6 +203,8 @@ def _run_runner(command: list[str], timeout_s: float, environment: dict | None =
         returncode = run_streaming(command, timeout_s, lambda line: _log_progress(line, last_lines), env=environment)
     except subprocess.TimeoutExpired as error:
         raise VllmUnavailable(f"the vllm runner ran past its {timeout_s:.0f} s limit") from error
+    except OSError as error:
+        raise VllmUnavailable(f"the vllm runner could not start: {error}") from error
     if returncode != 0:
         failure = next((line for line in reversed(last_lines) if line.startswith("vllm runner failed")), None)
         last = failure or (last_lines[-1] if last_lines else "no output")

@@ -6,9 +6,10 @@ transformers). kvwise hands it token ids, so both engines read exactly the same 
     python vllm_runner.py SPEC_JSON OUT_JSON
 
 SPEC_JSON: {"model_dir", "dtype", "engine_args": {vLLM engine arguments}, "new_tokens",
-"concurrency" (0: every request arrives at once; n: n clients in a closed loop), "logprobs" (top
-logprobs to return per output token, 0 for none), "logprob_tokens" (how many leading output tokens
-get them), "warmup_prompt_ids" (the warm-up request's prompt), "requests": [{"id", "prompt_ids"}]}.
+"concurrency" (0: every request arrives at once; n: n clients in a closed loop), "logprob_tokens"
+(how many leading output tokens get their top-2 logprobs, in an untimed pass after the timed one;
+0 for none), "warmup_prompt_ids" and "warmup_tokens" (the warm-up request), "requests": [{"id",
+"prompt_ids"}]}.
 
 OUT_JSON: {"vllm_version", "engine_args", "effective" (the limits vLLM ran with), "load_seconds",
 "requests": [{"id", "arrival_s", "first_token_s", "finish_s" (seconds after the clock started),
@@ -16,8 +17,9 @@ OUT_JSON: {"vllm_version", "engine_args", "effective" (the limits vLLM ran with)
 Progress goes to stderr. Exit code 2: a bad spec; 1: vLLM failed (its last line says why).
 
 The runner drives `LLMEngine.add_request` and `step` itself, as kvwise's bench drives its own
-engine, so a token's time is when the step that made it returned, on both sides. One warm-up
-request runs before the clock starts.
+engine; a token's time here is when the step that made it returned (kvwise's engine stamps it
+when the step samples it, before the rest of that step's bookkeeping). One warm-up request runs
+before the clock starts.
 """
 
 from __future__ import annotations
@@ -28,7 +30,6 @@ import time
 from pathlib import Path
 
 EXIT_BAD_REQUEST = 2
-WARMUP_TOKENS = 8
 
 
 def main(argv: list[str]) -> int:
@@ -36,7 +37,7 @@ def main(argv: list[str]) -> int:
         print("usage: vllm_runner.py SPEC_JSON OUT_JSON", file=sys.stderr)
         return EXIT_BAD_REQUEST
     spec = json.loads(Path(argv[0]).read_text())
-    missing = {"model_dir", "dtype", "new_tokens", "requests"} - set(spec)
+    missing = {"model_dir", "dtype", "new_tokens", "requests", "warmup_prompt_ids", "warmup_tokens"} - set(spec)
     if missing:
         print(f"the spec lacks {', '.join(sorted(missing))}", file=sys.stderr)
         return EXIT_BAD_REQUEST
@@ -61,30 +62,14 @@ def run(spec: dict) -> dict:
     # the defaults a user of `vllm.LLM` gets (its CPU limits differ from a bare engine's)
     engine = LLMEngine.from_engine_args(EngineArgs(**engine_args), usage_context=UsageContext.LLM_CLASS)
     load_seconds = time.monotonic() - started
-    scheduler, cache = engine.vllm_config.scheduler_config, engine.vllm_config.cache_config
-    effective = {
-        "max_num_seqs": scheduler.max_num_seqs,
-        "max_num_batched_tokens": scheduler.max_num_batched_tokens,
-        "enable_chunked_prefill": scheduler.enable_chunked_prefill,
-        "enable_prefix_caching": cache.enable_prefix_caching,
-        "block_size": cache.block_size,
-    }
     print(f"vllm {vllm.__version__}: engine ready in {load_seconds:.1f} s", file=sys.stderr)
-    logprobs = spec.get("logprobs", 0) or None
-    params = SamplingParams(
-        temperature=0.0,
-        max_tokens=spec["new_tokens"],
-        min_tokens=spec["new_tokens"],
-        ignore_eos=True,
-        logprobs=logprobs,
-    )
-    warmup = SamplingParams(temperature=0.0, max_tokens=WARMUP_TOKENS, min_tokens=WARMUP_TOKENS, ignore_eos=True)
-    warmup_ids = spec.get("warmup_prompt_ids") or spec["requests"][0]["prompt_ids"][:64]
-    drive(engine, [("warmup", warmup_ids)], warmup, 0, lambda *_: None)
+    # as kvwise's timed run: greedy, exactly `new_tokens` (EOS ignored), no logprobs
+    params = SamplingParams(temperature=0.0, max_tokens=spec["new_tokens"], ignore_eos=True)
+    warmup = SamplingParams(temperature=0.0, max_tokens=spec["warmup_tokens"], ignore_eos=True)
+    drive(engine, [("warmup", spec["warmup_prompt_ids"])], warmup, 0, lambda *_: None)
 
     records = {request["id"]: {"id": request["id"]} for request in spec["requests"]}
     clock = time.monotonic()
-    total = len(records)
 
     def observe(request_id: str, event: str, output) -> None:
         record = records[int(request_id)]
@@ -92,22 +77,46 @@ def run(spec: dict) -> dict:
             return
         record[event] = time.monotonic() - clock
         if event == "finish_s":
-            completion = output.outputs[0]
-            record["tokens"] = list(completion.token_ids)
+            record["tokens"] = list(output.outputs[0].token_ids)
             record["cached_tokens"] = getattr(output, "num_cached_tokens", None) or 0
-            record["top_logprobs"] = top_logprobs(completion.logprobs, spec.get("logprob_tokens", 16))
             done = sum("finish_s" in item for item in records.values())
-            print(f"vllm {done}/{total}: request {request_id} {record['finish_s']:.2f} s", file=sys.stderr)
+            print(f"vllm {done}/{len(records)}: request {request_id} {record['finish_s']:.2f} s", file=sys.stderr)
 
     prompts = [(str(request["id"]), request["prompt_ids"]) for request in spec["requests"]]
     drive(engine, prompts, params, spec.get("concurrency", 0), observe)
+    if spec.get("logprob_tokens"):
+        score_leading_tokens(engine, prompts, spec["logprob_tokens"], records)
+    scheduler, cache = engine.vllm_config.scheduler_config, engine.vllm_config.cache_config
     return {
         "vllm_version": vllm.__version__,
         "engine_args": engine_args,
-        "effective": effective,
+        "effective": {
+            "max_num_seqs": scheduler.max_num_seqs,
+            "max_num_batched_tokens": scheduler.max_num_batched_tokens,
+            "enable_chunked_prefill": scheduler.enable_chunked_prefill,
+            "enable_prefix_caching": cache.enable_prefix_caching,
+            "block_size": cache.block_size,
+        },
         "load_seconds": load_seconds,
         "requests": [records[request["id"]] for request in spec["requests"]],
     }
+
+
+def score_leading_tokens(engine, prompts: list[tuple[str, list[int]]], count: int, records: dict) -> None:
+    """After the clock stopped: each prompt's first `count` greedy tokens again, with their top-2
+    logprobs (`top_logprobs`), from an emptied prefix cache, so computing them costs the timed run
+    nothing and the prompts are read as the timed run read them."""
+    from vllm import SamplingParams
+
+    if hasattr(engine, "reset_prefix_cache"):
+        engine.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=count, ignore_eos=True, logprobs=2)
+
+    def observe(request_id: str, event: str, output) -> None:
+        if event == "finish_s":
+            records[int(request_id)]["top_logprobs"] = top_logprobs(output.outputs[0].logprobs, count)
+
+    drive(engine, prompts, params, 0, observe)
 
 
 def drive(engine, prompts: list[tuple[str, list[int]]], params, concurrency: int, observe) -> None:

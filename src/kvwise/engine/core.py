@@ -245,7 +245,7 @@ class EngineCore:
     @contextmanager
     def profiling(self) -> Iterator[StepProfile]:
         """Time each part of every step run inside (`StepProfile`); the timers go when it ends."""
-        profile = StepProfile()
+        profile = StepProfile(self.runner.model.device)
         profile.attach_linear_hooks(self.runner.model)
         self.profile = self.runner.profile = profile
         try:

@@ -24,7 +24,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-MAX_ROWS = 64  # above this, sgemm's packing pays for itself and MKL is as fast or faster
+MAX_ROWS = 64  # above this, a GEMM's packing of the weight pays for itself: oneDNN (or MKL) takes over
 
 
 def onednn_linear():
@@ -37,22 +37,21 @@ def onednn_linear():
         # a registered aten op, not a private attribute: torch names its oneDNN ops with a leading _
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")  # noqa: SLF001
 
-    try:
-        probe = torch.ones(3, 4)
-        if not torch.allclose(
-            linear(probe, torch.ones(2, 4), torch.ones(2)), F.linear(probe, torch.ones(2, 4), torch.ones(2))
-        ):
-            return None
+    try:  # with and without a bias, as projections come
+        probe, weight = torch.arange(12.0).view(3, 4), torch.arange(8.0).view(2, 4)
+        for bias in (torch.ones(2), None):
+            if not torch.allclose(linear(probe, weight, bias), F.linear(probe, weight, bias)):
+                return None
     except RuntimeError:
         return None
     return linear
 
 
 class CpuLinears:
-    def __init__(self, model: torch.nn.Module, kernel, large=None):
-        """kernel: `small_linear` for inputs of at most MAX_ROWS rows, or None; large: `onednn_linear()`
+    def __init__(self, model: torch.nn.Module, small, large=None):
+        """small: `small_linear` for inputs of at most MAX_ROWS rows, or None; large: `onednn_linear()`
         for more rows, or None (torch's linear)."""
-        self.kernel, self.large = kernel, large
+        self.small, self.large = small, large
         # subclasses (quantized or LoRA linears) and modules whose forward is already wrapped on the
         # instance (accelerate's offloading hooks) keep their own path
         self.layers = [
@@ -70,7 +69,7 @@ class CpuLinears:
         rows = x.numel() // features if features else 0
         if rows == 0 or x.dtype != torch.float32 or x.device.type != "cpu":
             return F.linear(x, layer.weight, layer.bias)
-        compute = self.kernel if rows <= MAX_ROWS else self.large
+        compute = self.small if rows <= MAX_ROWS else self.large
         if compute is None:
             return F.linear(x, layer.weight, layer.bias)
         out = compute(x.reshape(rows, features), layer.weight, layer.bias)  # [rows, out_features]

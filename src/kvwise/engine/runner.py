@@ -196,8 +196,10 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     window, softcap = kwargs.get("sliding_window"), kwargs.get("softcap")  # Gemma 2/3, Mistral, Qwen2 hybrids
     outputs = []
     for group in layout.groups:
-        timer = layout.profile.attention(group.decodes) if layout.profile is not None else contextlib.nullcontext()
-        with timer:
+        if layout.profile is None:
+            outputs.append(_group_attention(group, layout, layer, query, key, scaling, window, softcap))
+            continue
+        with layout.profile.attention(group.decodes):
             outputs.append(_group_attention(group, layout, layer, query, key, scaling, window, softcap))
     for compaction in layout.compactions:  # after attention: this forward's queries saw every token
         compaction.apply(storage, layer, query, scaling, layout.attention_inputs.pop(layer, None))

@@ -12,11 +12,12 @@ Parts, in seconds summed over the steps profiled:
     engine Python                   the rest of the step: scheduling, block tables and inputs,
                                     settling memory, bookkeeping
 
-Timers, not a sampling profiler: `perf_counter` around each part, so the parts add up to the
-step's wall time and cost a few microseconds each. They run only while a profile is attached
-(`EngineCore.profile`); the hooks on every `nn.Linear` are added then and removed after. The
-split of linear time by token count is an approximation: a decode token costs a linear layer as
-much compute as a prefill token, but a step of decodes alone is mostly reading the weights.
+Timers, not a sampling profiler: `perf_counter` around each part (after a CUDA synchronize on
+a GPU), so the parts add up to the step's wall time and cost a few microseconds each. They run
+only while a profile is attached (`EngineCore.profile`); the hooks on every `nn.Linear` are
+added then and removed after. The split of linear time by token count is an approximation: a
+decode token costs a linear layer as much compute as a prefill token, but a step of decodes
+alone is mostly reading the weights.
 """
 
 from __future__ import annotations
@@ -40,7 +41,10 @@ PARTS = (
 
 
 class StepProfile:
-    def __init__(self):
+    def __init__(self, device: torch.device | str = "cpu"):
+        """device: the model's; on CUDA each timer waits for the work queued before it reads the
+        clock (kernels run asynchronously, so a bare clock would time their launches)."""
+        self.synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else _nothing
         self.seconds: dict[str, float] = defaultdict(float)
         self.steps = 0
         self.tokens = {"prefill": 0, "decode": 0}
@@ -48,24 +52,28 @@ class StepProfile:
         self._step_attention = 0.0
         self._hooks: list = []
 
+    def now(self) -> float:
+        self.synchronize()
+        return time.perf_counter()
+
     @contextmanager
     def timing(self, part: str):
-        started = time.perf_counter()
+        started = self.now()
         try:
             yield
         finally:
-            self.seconds[part] += time.perf_counter() - started
+            self.seconds[part] += self.now() - started
 
     @contextmanager
     def step(self):
         """Around one engine step: what no part claims is the engine's own Python."""
-        started = time.perf_counter()
+        started = self.now()
         before = sum(self.seconds.values())
         try:
             yield
         finally:
             claimed = sum(self.seconds.values()) - before
-            self.seconds["engine Python"] += time.perf_counter() - started - claimed
+            self.seconds["engine Python"] += self.now() - started - claimed
             self.steps += 1
 
     @contextmanager
@@ -73,11 +81,11 @@ class StepProfile:
         """Around the model's forward: its linear time is split by the step's tokens, and what
         neither linear layers nor attention took is the other model ops."""
         self._step_linear = self._step_attention = 0.0
-        started = time.perf_counter()
+        started = self.now()
         try:
             yield
         finally:
-            total = time.perf_counter() - started
+            total = self.now() - started
             tokens = max(prefill_tokens + decode_tokens, 1)
             self.seconds["linear.prefill"] += self._step_linear * prefill_tokens / tokens
             self.seconds["linear.decode"] += self._step_linear * decode_tokens / tokens
@@ -87,11 +95,11 @@ class StepProfile:
 
     @contextmanager
     def attention(self, decode: bool):
-        started = time.perf_counter()
+        started = self.now()
         try:
             yield
         finally:
-            seconds = time.perf_counter() - started
+            seconds = self.now() - started
             self._step_attention += seconds
             self.seconds["attention.decode" if decode else "attention.prefill"] += seconds
 
@@ -100,10 +108,10 @@ class StepProfile:
         started: dict[int, float] = {}
 
         def before(module, args):
-            started[id(module)] = time.perf_counter()
+            started[id(module)] = self.now()
 
         def after(module, args, output):
-            self._step_linear += time.perf_counter() - started.pop(id(module))
+            self._step_linear += self.now() - started.pop(id(module))
 
         for module in model.modules():
             if isinstance(module, torch.nn.Linear):
@@ -116,9 +124,13 @@ class StepProfile:
 
     def summary(self) -> dict:
         """Seconds and share of the profiled steps' time per part, in `PARTS` order."""
-        total = sum(self.seconds.values()) or 1.0
+        total = sum(self.seconds.values())
         parts = {
-            part: {"seconds": self.seconds.get(part, 0.0), "share": self.seconds.get(part, 0.0) / total}
+            part: {"seconds": self.seconds.get(part, 0.0), "share": self.seconds.get(part, 0.0) / (total or 1.0)}
             for part in PARTS
         }
         return {"steps": self.steps, "seconds": total, "tokens": dict(self.tokens), "parts": parts}
+
+
+def _nothing() -> None:
+    pass

@@ -1,12 +1,12 @@
 """`--compare kvpress`: the flag's parsing and the failure paths (the real install needs the network)."""
 
-import os
 import sys
 
 import pytest
 
 from kvwise.bench.kvpress_compare import DEFAULT_PRESSES, _run_runner, parse_compare
-from kvwise.bench.kvpress_venv import MARKER_NAME, KvpressUnavailable, kvpress_python
+from kvwise.bench.kvpress_venv import KVPRESS, MARKER_NAME, KvpressUnavailable, kvpress_python
+from tests.peer_venv_helpers import without_an_index
 
 
 def test_parse_compare_defaults_and_named_presses():
@@ -25,14 +25,7 @@ def test_parse_compare_rejects_other_values(text):
 
 @pytest.fixture
 def unreachable_index(tmp_path, monkeypatch):
-    """pip sees only an index nothing listens on: the machine's own pip configuration (local
-    wheel folders, extra indexes) is set aside, so the install fails as it would offline."""
-    monkeypatch.setenv("KVWISE_HOME", str(tmp_path))
-    monkeypatch.setenv("KVWISE_KVPRESS_PIP_ARGS", "--index-url http://127.0.0.1:9/simple --retries 0 --timeout 1")
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    for name in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_INDEX_URL", "PIP_CONSTRAINT"):
-        monkeypatch.delenv(name, raising=False)
-    return tmp_path / "kvpress-venv"
+    return without_an_index(monkeypatch, tmp_path, KVPRESS)
 
 
 @pytest.mark.timeout(180)

@@ -13,6 +13,7 @@ from kvwise.bench.rag import RagConfig
 from kvwise.bench.throughput import ThroughputConfig, run_throughput
 from kvwise.bench.vllm_compare import (
     RUNNER_PATH,
+    VLLM,
     VllmUnavailable,
     _run_runner,
     greedy_agreement,
@@ -20,6 +21,7 @@ from kvwise.bench.vllm_compare import (
     thread_environment,
     vllm_settings,
 )
+from tests.peer_venv_helpers import without_an_index
 
 
 def test_parse_compare_takes_vllm_only():
@@ -72,13 +74,7 @@ def test_greedy_agreement_counts_equal_prefixes_and_near_ties():
 
 @pytest.fixture
 def unreachable_index(tmp_path, monkeypatch):
-    """pip sees only an index nothing listens on, as it would offline."""
-    monkeypatch.setenv("KVWISE_HOME", str(tmp_path))
-    monkeypatch.setenv("KVWISE_VLLM_PIP_ARGS", "--index-url http://127.0.0.1:9/simple --retries 0 --timeout 1")
-    monkeypatch.setenv("PIP_CONFIG_FILE", os.devnull)
-    for name in ("PIP_FIND_LINKS", "PIP_EXTRA_INDEX_URL", "PIP_INDEX_URL", "PIP_CONSTRAINT"):
-        monkeypatch.delenv(name, raising=False)
-    return tmp_path / "vllm-venv"
+    return without_an_index(monkeypatch, tmp_path, VLLM)
 
 
 @pytest.mark.timeout(180)

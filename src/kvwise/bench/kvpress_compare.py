@@ -10,11 +10,10 @@ from __future__ import annotations
 import json
 import logging
 import re
-import subprocess
 import tempfile
 from pathlib import Path
 
-from kvwise.bench.kvpress_venv import KvpressUnavailable, kvpress_python, run_streaming
+from kvwise.bench.kvpress_venv import KVPRESS, kvpress_python
 from kvwise.hf.cache import full_kv_bytes
 
 log = logging.getLogger("kvwise.bench")
@@ -99,25 +98,7 @@ def run_kvpress(
 
 
 def _run_runner(command: list[str], timeout_s: float) -> None:
-    """Run the runner, its stderr progress going to the log; a failure raises with its last line."""
-    last_lines: list[str] = []
-    try:
-        returncode = run_streaming(command, timeout_s, lambda line: _log_progress(line, last_lines))
-    except subprocess.TimeoutExpired as error:
-        raise KvpressUnavailable(f"the kvpress runner ran past its {timeout_s:.0f} s limit") from error
-    if returncode != 0:
-        last = last_lines[-1] if last_lines else "no output"
-        raise KvpressUnavailable(f"the kvpress runner failed (exit code {returncode}): {last}")
-
-
-def _log_progress(line: str, last_lines: list[str]) -> None:
-    if not line:
-        return
-    last_lines[:] = [line]
-    if PROGRESS_LINE.match(line):
-        log.info("%s", line)  # the runner's progress: "kvpress 3/40: trial 1 SnapKVPress ratio=0.5 ..."
-    else:
-        log.debug("kvpress runner: %s", line)
+    KVPRESS.run_runner(command, timeout_s, PROGRESS_LINE)
 
 
 def _row(model, trial, line: dict, mode: str) -> dict:

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvwise.bench.peer_venv import MARKER_NAME, PeerUnavailable, PeerVenv, run_streaming
+from kvwise.bench.peer_venv import MARKER_NAME, PeerUnavailable, PeerVenv
 
-__all__ = ["MARKER_NAME", "KvpressUnavailable", "kvpress_python", "kvpress_venv_dir", "run_streaming"]
+__all__ = ["KVPRESS", "MARKER_NAME", "KvpressUnavailable", "kvpress_python", "kvpress_venv_dir"]
 
 
 class KvpressUnavailable(PeerUnavailable):

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -79,6 +80,34 @@ class PeerVenv:
         import torch
 
         return [f"torch=={torch.__version__.split('+')[0]}", self.requirement]
+
+    def run_runner(self, command: list[str], timeout_s: float, progress: re.Pattern, env=None) -> None:
+        """Run the peer's runner script: its lines matching `progress` go to the log as progress.
+        A failure raises `self.unavailable` with the runner's own "<name> runner failed" line,
+        else its last line; past `timeout_s` it is stopped."""
+        recent: list[str] = []
+
+        def handle(line: str) -> None:
+            if not line:
+                return
+            recent.append(line)
+            del recent[:-50]
+            if progress.match(line):
+                log.info("%s", line)  # e.g. "vllm 3/32: request 2 4.10 s"
+            else:
+                log.debug("%s runner: %s", self.name, line)
+
+        runner = f"the {self.name} runner"
+        try:
+            returncode = run_streaming(command, timeout_s, handle, env=env)
+        except subprocess.TimeoutExpired as error:
+            raise self.unavailable(f"{runner} ran past its {timeout_s:.0f} s limit") from error
+        except OSError as error:
+            raise self.unavailable(f"{runner} could not start: {error}") from error
+        if returncode != 0:
+            failure = next((line for line in reversed(recent) if line.startswith(f"{self.name} runner failed")), None)
+            last = failure or (recent[-1] if recent else "no output")
+            raise self.unavailable(f"{runner} failed (exit code {returncode}): {last}")
 
     def _run_logged(self, command: list[str], what: str, timeout_s: float) -> None:
         """Run `command`, logging pip's package lines as progress and keeping the rest for the error."""

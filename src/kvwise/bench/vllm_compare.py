@@ -22,13 +22,12 @@ import json
 import logging
 import os
 import re
-import subprocess
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvwise.bench.peer_venv import PeerUnavailable, PeerVenv, run_streaming
+from kvwise.bench.peer_venv import PeerUnavailable, PeerVenv
 
 log = logging.getLogger("kvwise.bench")
 
@@ -197,29 +196,7 @@ def run_vllm(
 
 
 def _run_runner(command: list[str], timeout_s: float, environment: dict | None = None) -> None:
-    """Run the runner, its progress going to the log; a failure raises with its last line."""
-    last_lines: list[str] = []
-    try:
-        returncode = run_streaming(command, timeout_s, lambda line: _log_progress(line, last_lines), env=environment)
-    except subprocess.TimeoutExpired as error:
-        raise VllmUnavailable(f"the vllm runner ran past its {timeout_s:.0f} s limit") from error
-    except OSError as error:
-        raise VllmUnavailable(f"the vllm runner could not start: {error}") from error
-    if returncode != 0:
-        failure = next((line for line in reversed(last_lines) if line.startswith("vllm runner failed")), None)
-        last = failure or (last_lines[-1] if last_lines else "no output")
-        raise VllmUnavailable(f"the vllm runner failed (exit code {returncode}): {last}")
-
-
-def _log_progress(line: str, last_lines: list[str]) -> None:
-    if not line:
-        return
-    last_lines.append(line)
-    del last_lines[:-50]
-    if PROGRESS_LINE.match(line):
-        log.info("%s", line)  # the runner's progress: "vllm 3/32: request 2 4.10 s"
-    else:
-        log.debug("vllm runner: %s", line)
+    VLLM.run_runner(command, timeout_s, PROGRESS_LINE, env=environment)
 
 
 def greedy_agreement(kvwise_outputs: list[list[int]], vllm_requests: list[dict], tokens: int, tie: float) -> dict:

@@ -95,13 +95,13 @@ class StepProfile:
 
     @contextmanager
     def attention(self, decode: bool):
-        started = self.now()
+        part = "attention.decode" if decode else "attention.prefill"
+        before = self.seconds[part]
         try:
-            yield
-        finally:
-            seconds = self.now() - started
-            self._step_attention += seconds
-            self.seconds["attention.decode" if decode else "attention.prefill"] += seconds
+            with self.timing(part):
+                yield
+        finally:  # a step that fails still splits its forward's time right
+            self._step_attention += self.seconds[part] - before
 
     def attach_linear_hooks(self, model: torch.nn.Module) -> None:
         """Time every nn.Linear of `model` (removed by `detach`)."""

@@ -44,3 +44,32 @@ def test_ppl_bench_writes_every_field(smollm, tmp_path, monkeypatch):
     assert "| kvwise | kivi4 |" in markdown_table(report)
     assert (tmp_path / "ppl.png").exists() and (tmp_path / "ppl.md").exists()
     assert not (tmp_path / "ppl.partial.jsonl").read_text() == ""
+
+
+def test_the_engine_path_scores_the_same_tokens_through_the_decode_path(smollm, tmp_path):
+    config = PplConfig(
+        tokens=192,
+        chunk=64,
+        quants=["int8"],
+        policies=["h2o"],
+        budgets=[80],
+        mixes=[],
+        repeats=1,
+        peers=[],
+        paths=["library", "engine"],
+    )
+    with_peers = PplConfig(peers=["quanto"], paths=["library", "engine"])
+    assert {entry["system"] for entry in with_peers.systems() if entry["path"] == "engine"} == {"kvwise"}
+    report = run_ppl(config, tmp_path)
+    kvwise = [row for row in report["results"] if row["system"] == "kvwise"]
+    rows = {(row["path"], row["config"]["policy"], row["config"]["quant"]): row for row in kvwise}
+    full, int8, h2o = rows["engine", "full", None], rows["engine", "full", "int8"], rows["engine", "h2o", None]
+    assert full["ppl_ratio"] == 1.0
+    # the same tokens, the same model: the full caches agree up to bfloat16 rounding
+    assert abs(full["ppl"] / rows["library", "full", None]["ppl"] - 1) < 0.02
+    assert int8["kv_bytes"] < 0.6 * full["kv_bytes"] and abs(int8["ppl_ratio"] - 1) < 0.01
+    # the cap evicts while the rest is decoded: fewer bytes, a worse score
+    assert h2o["kv_bytes"] < 0.7 * full["kv_bytes"] and h2o["ppl_ratio"] > 1
+    assert "| kvwise (engine) | int8 |" in markdown_table(report)
+    with pytest.raises(ValueError, match="--paths takes one or both of library, engine"):
+        PplConfig(paths=["gpu"])

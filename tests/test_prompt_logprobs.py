@@ -97,6 +97,28 @@ def test_a_continuation_is_scored_by_forced_token_decoding_as_generation_read_it
     torch.testing.assert_close(got, expected[:-1], atol=1e-4, rtol=0)
 
 
+def test_decode_from_reads_the_rest_one_token_a_step_under_the_full_cache():
+    """`decode_from` without a mix: the first part is one prefill, the rest one token a step
+    through the decode path, and the scores still equal the model's own forward."""
+    model = TINY_MODELS["llama"]()
+    ids = random_ids(1, 40, seed=6)
+    core = EngineCore(model, None, CacheConfig(block_size=4, num_blocks=128, prefix_caching=False))
+    chunks, schedule = [], core.scheduler.schedule
+
+    def recording():
+        step = schedule()
+        chunks.append([chunk.end - chunk.start for chunk in step.prefills])
+        return step
+
+    core.scheduler.schedule = recording
+    scored = _score(core, ids, decode_from=30)
+    assert [sizes for sizes in chunks if sizes] == [[30]] + [[1]] * 10
+    got = torch.tensor([next(iter(entry.values())) for entry in scored.prompt_logprobs[1:]])
+    torch.testing.assert_close(got, _own_forward(model, ids), atol=1e-4, rtol=0)
+    with pytest.raises(ValueError, match="decode_from must be between 1 and the prompt's 40 tokens, got 41"):
+        core.make_request(ids[0].tolist(), SamplingParams(max_tokens=1, prompt_logprobs=0), decode_from=41)
+
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     model, tokenizer = load_model(str(save_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))), device="cpu")

@@ -137,6 +137,12 @@ def add_ppl_parser(workloads) -> None:
     ppl.add_argument("--dtype", default=None, help="model dtype (default bfloat16, what serving uses)")
     ppl.add_argument("--repeats", type=int, default=None, help="passes per system, fastest kept (default 2)")
     ppl.add_argument("--haystack-dir", default=None, help="a folder of .txt files to score instead of the essays")
+    ppl.add_argument(
+        "--paths",
+        type=names,
+        default=None,
+        help="library (default), engine, or library,engine: engine scores through the serving engine's decode path",
+    )
     ppl.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")
 
 
@@ -467,7 +473,8 @@ def _ppl(args) -> None:
     if args.quick:
         config.tokens, config.budgets, config.policies = 1024, [256], ["streaming_llm", "h2o"]
         config.mixes, config.peers, config.repeats = ["h2o@max=256+kivi4"], ["quanto"], 1
-    options = ("tokens", "chunk", "quants", "policies", "budgets", "mixes", "peers", "dtype", "haystack_dir", "repeats")
+    options = ("tokens", "chunk", "quants", "policies", "budgets", "mixes", "peers", "dtype", "haystack_dir")
+    options = (*options, "repeats", "paths")
     _override(config, args, options)
     report = run_ppl(config, args.out, resume=not args.no_resume)
     print((args.out / "ppl.md").read_text())

@@ -5,6 +5,10 @@ chunks through one cache per system, the same tokens for every system. After eac
 cache compresses or quantizes; the next chunk's predictions pay for it. Every system runs in
 the same process, after one warm-up forward; only model forwards are timed, and each system's
 fastest of `repeats` passes is kept.
+
+`--paths engine` scores kvwise's systems through the serving engine as well (`ppl_engine`):
+after the first chunk, one token a step through its decode path, under the KV a generation
+would hold there. Each path's ratios are against its own full cache.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from tqdm import tqdm
 
 from kvwise.bench.haystack import read_haystack
 from kvwise.bench.hf_peers import backend_available, hf_cache_bytes, make_hf_quantized_cache
+from kvwise.bench.ppl_engine import EngineScorer, measure_in_engine
 from kvwise.bench.ppl_report import markdown_table, plot_ppl
 from kvwise.bench.report_files import new_report, write_report
 from kvwise.hf.cache import KVWiseCache, full_kv_bytes
@@ -28,6 +33,7 @@ from kvwise.policies.mix import parse_mix
 from kvwise.policies.registry import make_policy
 from kvwise.util.partial import read_partial
 
+PATHS = ("library", "engine")
 HF_PEERS = {
     "quanto": [{"nbits": 4}, {"nbits": 4, "axis_key": -1}, {"nbits": 2}, {"nbits": 2, "axis_key": -1}],
     "hqq": [{"nbits": 4}, {"nbits": 2}],
@@ -51,12 +57,17 @@ class PplConfig:
     # Each system is scored this many times and its fastest pass is kept: on a shared 2-core
     # machine one pass can be 10-20% slow, which would swamp the differences being measured.
     repeats: int = 2
+    # library: the library's cache, chunk by chunk (peers run here); engine: the serving engine,
+    # after the first chunk one token a step through its decode path (bench/ppl_engine.py)
+    paths: list[str] = field(default_factory=lambda: ["library"])
 
     def __post_init__(self):
         if self.tokens < 2 or self.chunk < 1:
             raise ValueError(f"tokens must be >= 2 and chunk >= 1, got {self.tokens} and {self.chunk}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
+        if not self.paths or len(set(self.paths)) < len(self.paths) or set(self.paths) - set(PATHS):
+            raise ValueError(f"--paths takes one or both of {', '.join(PATHS)}, each once; got {','.join(self.paths)}")
         for name in self.quants:
             make_quantizer(name)
         for name in self.policies:
@@ -71,7 +82,18 @@ class PplConfig:
                 raise ValueError(f"unknown peer {peer!r}; choose from: {', '.join(HF_PEERS)}")
 
     def systems(self) -> list[dict]:
-        """Every (system, config) of the run, in order: full first, the baseline of the ratios."""
+        """Every (system, config, path) of the run, in order: each path's full cache first, the
+        baseline of its ratios. The engine path runs kvwise's systems only."""
+        systems = []
+        for path in self.paths:
+            systems += [
+                {**entry, "path": path}
+                for entry in self._library_systems()
+                if path == "library" or entry["system"] == "kvwise"
+            ]
+        return systems
+
+    def _library_systems(self) -> list[dict]:
         systems = [{"system": "kvwise", "config": {"policy": "full", "max_kv_tokens": None, "quant": None}}]
         systems += [
             {"system": "kvwise", "config": {"policy": "full", "max_kv_tokens": None, "quant": q}} for q in self.quants
@@ -164,15 +186,26 @@ def run_ppl(config: PplConfig, out_dir: Path, resume: bool = True) -> dict:
         partial_path.unlink()
     with torch.no_grad():  # warm-up: one-time costs must not land on the first system
         model(input_ids=ids[:, : config.chunk], cache=KVWiseCache(model), use_cache=True)
+    scorer = None
+    if "engine" in config.paths:
+        scorer = EngineScorer(model, tokenizer)
+        scorer.warm_up(ids, config.chunk, next(iter(config.quants), None))
     with partial_path.open("a") as partial, tqdm(total=len(systems), desc="ppl", unit="system") as progress:
         if not done:
             partial.write(json.dumps({"config": asdict(config)}) + "\n")
         for entry in systems:
             key = _key(entry)
-            progress.set_postfix(system=entry["system"], **{k: v for k, v in entry["config"].items() if v is not None})
+            progress.set_postfix(
+                system=entry["system"],
+                path=entry["path"],
+                **{k: v for k, v in entry["config"].items() if v is not None},
+            )
             if key not in done:
                 try:
-                    done[key] = measure(model, ids, entry, config.chunk, config.repeats)
+                    if entry["path"] == "engine":
+                        done[key] = measure_in_engine(scorer, model, ids, entry, config.chunk)
+                    else:
+                        done[key] = measure(model, ids, entry, config.chunk, config.repeats)
                 except Exception as error:  # a peer library's own limits must not sink the run
                     if entry["system"] == "kvwise":
                         raise
@@ -183,8 +216,11 @@ def run_ppl(config: PplConfig, out_dir: Path, resume: bool = True) -> dict:
                 partial.flush()
             progress.update()
     results = [done[_key(entry)] for entry in systems if _key(entry) in done]
-    baseline = results[0]
     for row in results:
+        row.setdefault("path", "library")  # a row resumed from a run before paths
+    baselines = {row["path"]: row for row in reversed(results)}  # each path's first row: its full cache
+    for row in results:
+        baseline = baselines[row["path"]]
         row["ppl_ratio"] = row["ppl"] / baseline["ppl"]
         row["speed_vs_full"] = row["tokens_per_second"] / baseline["tokens_per_second"]
     report = new_report(
@@ -194,7 +230,7 @@ def run_ppl(config: PplConfig, out_dir: Path, resume: bool = True) -> dict:
 
 
 def _key(entry: dict) -> str:
-    return json.dumps([entry["system"], entry["config"]], sort_keys=True)
+    return json.dumps([entry["system"], entry["config"], entry.get("path", "library")], sort_keys=True)
 
 
 def _load_partial(path: Path, config: PplConfig) -> dict:

@@ -24,6 +24,11 @@ def describe(row: dict) -> str:
     return " + ".join(parts) or "full cache"
 
 
+def system_label(row: dict) -> str:
+    """The system, and the path for kvwise's engine rows."""
+    return f"{row['system']} (engine)" if row.get("path") == "engine" else row["system"]
+
+
 def markdown_table(report: dict) -> str:
     config, system = report["config"], report["system"]
     lines = [
@@ -38,9 +43,15 @@ def markdown_table(report: dict) -> str:
         "| system | config | ppl | ppl_ratio | kv16 | tokens/s | speed vs full |",
         "|---|---|---|---|---|---|---|",
     ]
+    paths = config.get("paths", ["library"])
+    if paths != ["library"]:
+        lines[3] += (
+            " Engine rows (path engine) are scored through the serving engine: after the first chunk, one "
+            "token a step through its decode path; their ratios are against the engine's full cache."
+        )
     for row in report["results"]:
         lines.append(
-            f"| {row['system']} | {describe(row)} | {row['ppl']:.3f} | {row['ppl_ratio']:.4f} | "
+            f"| {system_label(row)} | {describe(row)} | {row['ppl']:.3f} | {row['ppl_ratio']:.4f} | "
             f"{row['kv_bytes'] / row['full16_kv_bytes']:.4f} | {row['tokens_per_second']:.0f} | "
             f"{row['speed_vs_full']:.2f}x |"
         )
@@ -55,6 +66,8 @@ def family(row: dict) -> str:
     if row["system"] != "kvwise":
         return f"transformers QuantizedCache ({row['system'].removeprefix('hf-')})"
     config = row["config"]
+    if row.get("path") == "engine":
+        return "kvwise engine (decode path)"
     evicts, quantizes = config["policy"] != "full", bool(config["quant"])
     if evicts and quantizes:
         return "kvwise: decode budget + quantizer"

@@ -183,6 +183,7 @@ class EngineCore:
         kv: str | Mix | KVSettings | None = None,
         compress_upto: int | None = None,
         kv_auto: str | None = None,
+        decode_from: int | None = None,
     ):
         """kv: the request's own KV mix for its private tokens (shared prefixes stay intact): a
         spec, a `Mix` or resolved settings (`kv_settings.resolve`, which this calls).
@@ -191,7 +192,11 @@ class EngineCore:
         compress_upto: its ratio compresses (and its quantizer quantizes) the first `compress_upto`
         tokens (a document) as soon as they are computed, before the rest of the prompt (the
         question) is read: query-agnostic compression. Default: the whole prompt when its
-        prefill ends."""
+        prefill ends.
+        decode_from: prompt tokens from this position on are read one a step, through the decode
+        path, so their prompt logprobs are scored under the KV a generation would have there
+        (settled tokens quantized, a cap evicting). Default: `compress_upto` when a KV mix
+        compresses and prompt logprobs are asked for, else the whole prompt is prefilled."""
         self.check_fits(len(token_ids), params.max_tokens)
         kv = resolve(kv)
         if kv_auto is not None:
@@ -209,6 +214,13 @@ class EngineCore:
                 raise ValueError(
                     f"compress_upto must be between 1 and the prompt's {len(token_ids)} tokens, got {compress_upto}"
                 )
+        compressing = kv_auto is not None or (kv is not None and kv.active)
+        if decode_from is None and compressing and params.prompt_logprobs is not None:
+            decode_from = compress_upto
+        if decode_from is not None and not 1 <= decode_from <= len(token_ids):
+            raise ValueError(
+                f"decode_from must be between 1 and the prompt's {len(token_ids)} tokens, got {decode_from}"
+            )
         if kv is not None and kv.quantizer is not None:  # caught here, not inside a batched step
             kv.quantizer.check_head_dim(self.kv.geometry.head_dim)
         if kv is not None:
@@ -225,6 +237,7 @@ class EngineCore:
             prompt_ranks=[None] * len(token_ids) if params.prompt_logprobs is not None else None,
             kv=kv if kv is not None and kv.active else None,
             compress_upto=compress_upto,
+            decode_from=decode_from,
             kv_auto=kv_auto if kv is None else None,
         )
 

@@ -62,6 +62,9 @@ class Request:
     # the prompt's first compress_upto tokens are compressed once computed, before the rest is read
     # (query-agnostic: a document compressed without the question after it); None: at prefill's end
     compress_upto: int | None = None
+    # prompt tokens from this position on are read one a step, as decoding reads them, so they
+    # settle (quantize, and a cap evicts) where a generation's would: a scored continuation
+    decode_from: int | None = None
     compressed_kv_bytes: int | None = None  # the KV bytes it held right after its ratio compression
     kv_bytes_read: int = 0  # keys and values its decode steps read (Quest reads a part of them)
     kv_bytes_held_read: int = 0  # what those steps would have read over everything it holds

@@ -219,10 +219,8 @@ class Scheduler:
         end = min(request.prefill_target, request.computed + budget)
         if request.compress_upto is not None and request.computed < request.compress_upto:
             end = min(end, request.compress_upto)  # a chunk ends there: the document is compressed first
-        elif request.kv is not None and request.prompt_logprobs is not None and request.compress_upto is not None:
-            # forced-token decoding: scored tokens after the compression point are read one a step,
-            # as decoding reads them, so they settle (and a cap evicts) where generation's would
-            end = min(end, request.computed + 1)
+        if request.decode_from is not None:  # forced-token decoding from there (see Request.decode_from)
+            end = min(end, max(request.decode_from, request.computed + 1))
         if end > request.computed and not self._reserve(request, end, step):
             # a shorter chunk in the blocks that are free (the prefix cache gave up what it could)
             end = min(end, self.kv.fit_tokens(request))

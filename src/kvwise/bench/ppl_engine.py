@@ -16,6 +16,7 @@ import time
 import torch
 from tqdm import tqdm
 
+from kvwise.bench.ppl_report import short_quant
 from kvwise.engine.kv_settings import resolve
 from kvwise.engine.sampling import SamplingParams
 from kvwise.hf.cache import full_kv_bytes
@@ -29,7 +30,7 @@ def engine_mix(config: dict) -> str | None:
     if config["policy"] != "full":
         parts.append(f"{config['policy']}@max={config['max_kv_tokens']}")
     if config["quant"]:
-        parts.append(config["quant"])
+        parts.append(short_quant(config["quant"]))
     return "+".join(parts) or None
 
 

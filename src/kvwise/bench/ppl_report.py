@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from kvwise.bench.report_files import model_label, system_line
+from kvwise.kv.quantizer import make_quantizer
 from kvwise.util.plotting import headless_pyplot
 
 
@@ -20,8 +21,18 @@ def describe(row: dict) -> str:
     if config["policy"] != "full":
         parts.append(f"{config['policy']} @ {config['max_kv_tokens']} tokens")
     if config["quant"]:
-        parts.append(config["quant"])
+        parts.append(short_quant(config["quant"]))
     return " + ".join(parts) or "full cache"
+
+
+def short_quant(spec: str) -> str:
+    """A quantizer's name where its spec holds only the defaults (a mix's quantizer arrives in its
+    canonical spelling, every option written out), else the whole spec."""
+    name = spec.split(":", 1)[0]
+    try:
+        return name if make_quantizer(name).spec == spec else spec
+    except ValueError:
+        return spec
 
 
 def system_label(row: dict) -> str:

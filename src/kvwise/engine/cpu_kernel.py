@@ -1,5 +1,6 @@
 """kvwise's CPU kernels (kernels/*.cpp), compiled once per machine into one module: decode
-attention over the paged pool (paged_decode.cpp) and projections of a few rows (small_linear.cpp).
+attention over the paged pool (paged_decode.cpp), projections of a few rows (small_linear.cpp) and
+tier entries copied into pool blocks (block_copy.cpp).
 
 The build lands in `$KVWISE_HOME/kernels/<hash>`. The hash covers everything the binary depends
 on: the sources, the flags, the CPU's instruction sets (`-march=native` code must not run on
@@ -22,6 +23,7 @@ import sysconfig
 import warnings
 from pathlib import Path
 
+from kvwise.kv.paged import register_entry_writer
 from kvwise.util.home import kvwise_home
 
 SOURCES = sorted((Path(__file__).parent / "kernels").glob("*.cpp"))
@@ -43,6 +45,21 @@ def quantized_decode_kernel():
     """`quantized_decode(query, keys, values, tables, lengths, scale, softcap, window, *key_role,
     *value_role)` (engine/quantized_kernel.py builds the roles), or None."""
     return getattr(cpu_kernels(), "quantized_decode", None)
+
+
+def block_write_kernel():
+    """`write_blocks(pool [2, layers, blocks, ...], block_ids [n] int64, entries [n] of [layers, 2, ...])`,
+    or None."""
+    return getattr(cpu_kernels(), "write_blocks", None)
+
+
+def write_entries_in_kernel(pool, block_ids, entries) -> bool:
+    """`PagedKVStorage.write_entries` through `write_blocks`; False where the kernels are not built."""
+    kernel = block_write_kernel()
+    if kernel is None:
+        return False
+    kernel(pool, block_ids, entries)
+    return True
 
 
 def small_linear_kernel():
@@ -194,3 +211,7 @@ def kernel_status(retry: bool = False) -> str:
             f"CPU kernels unavailable (see {kvwise_home() / 'kernels' / _digest(FLAGS) / 'FAILED'}): decode uses SDPA"
         )
     return f"CPU kernels ready: {Path(module.__file__).parent}"
+
+
+# the storage sits a floor below and cannot import the kernels: it is handed the copy instead
+register_entry_writer(write_entries_in_kernel)

@@ -17,6 +17,20 @@ import torch
 
 from kvwise.core.block_pool import BlockPool
 
+# The CPU kernels that copy tier entries into blocks are built by the engine (engine/cpu_kernel.py),
+# a floor above this one, which registers them here: writer(pool [2, layers, blocks, ...],
+# block_ids [n] int64, entries) -> whether it wrote them (False: no kernel on this machine).
+_entry_writer = None
+
+
+def register_entry_writer(writer) -> None:
+    global _entry_writer
+    _entry_writer = writer
+
+
+def _plain_cpu(entry: torch.Tensor, dtype: torch.dtype) -> bool:
+    return entry.device.type == "cpu" and entry.dtype == dtype and entry.is_contiguous()
+
 
 class PagedKVStorage:
     def __init__(
@@ -67,8 +81,13 @@ class PagedKVStorage:
 
     def write_entries(self, block_ids: list[int], entries: list[torch.Tensor]) -> None:
         """Overwrite whole blocks from tier entries, each [num_layers, 2 (keys, values), block_size,
-        num_kv_heads, head_dim] on any device: one copy per block, keys and values of every layer
-        at once (a prefix restored from a tier moves at the speed of its bytes)."""
+        num_kv_heads, head_dim] on any device: on CPU one memcpy per block and layer, in the CPU
+        kernels where they are built; else one copy per block, keys and values of every layer at
+        once (a prefix restored from a tier moves at the speed of its bytes)."""
+        writer = _entry_writer
+        if writer is not None and self._kv.device.type == "cpu" and all(_plain_cpu(e, self._kv.dtype) for e in entries):
+            if writer(self._kv, torch.tensor(block_ids, dtype=torch.long), entries):
+                return
         for block, entry in zip(block_ids, entries):
             self._kv[:, :, block].copy_(entry.transpose(0, 1))  # [2, layers, ...] <- [layers, 2, ...]
 

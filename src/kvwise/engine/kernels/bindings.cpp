@@ -12,6 +12,7 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
                                int64_t value_bits, int64_t value_width, torch::Tensor value_codes,
                                torch::Tensor value_scale, torch::Tensor value_minimum);
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+void write_blocks(torch::Tensor pool, torch::Tensor block_ids, std::vector<torch::Tensor> entries);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released: the server's event loop keeps streaming while the engine thread is here
@@ -23,5 +24,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "decode attention over tables of pool blocks and quantized blocks read in place (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());
   m.def("small_linear", &small_linear, "x @ weight.T + bias for a few rows of x (CPU, float32)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("write_blocks", &write_blocks, "tier entries [layers, 2, ...] into pool blocks [2, layers, blocks, ...] (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -1,5 +1,6 @@
 """kvwise's CPU kernels (kernels/*.cpp), compiled once per machine into one module: decode
-attention over the paged pool (paged_decode.cpp), projections of a few rows (small_linear.cpp) and
+attention over the paged pool (paged_decode.cpp), projections of a few rows (small_linear.cpp, and
+small_linear_bf16.cpp where the CPU has AVX512-BF16) and
 tier entries copied into pool blocks (block_copy.cpp).
 
 The build lands in `$KVWISE_HOME/kernels/<hash>`. The hash covers everything the binary depends
@@ -60,6 +61,14 @@ def write_entries_in_kernel(pool, block_ids, entries) -> bool:
         return False
     kernel(pool, block_ids, entries)
     return True
+
+
+def small_linear_bf16_kernel():
+    """`small_linear_bf16(x [M, K], weight [N, K], bias [N] | None) -> [M, N]` in bfloat16, or None
+    where the kernels are not built or this CPU has no AVX512-BF16."""
+    kernels = cpu_kernels()
+    available = getattr(kernels, "small_linear_bf16_available", None)
+    return kernels.small_linear_bf16 if available is not None and available() else None
 
 
 def small_linear_kernel():

@@ -1,5 +1,6 @@
 """The model's float32 projections on CPU, by size: a few rows through the compiled `small_linear`
-kernel, more through oneDNN.
+kernel, more through oneDNN; bfloat16 projections of a few rows through `small_linear_bf16` where
+the CPU has AVX512-BF16 (more rows stay with torch, which calls oneDNN).
 
 A decode step multiplies each weight of the model by one row per running sequence. At that size
 MKL's sgemm spends its time packing the weight; kernels/small_linear.cpp streams each weight row
@@ -11,7 +12,7 @@ weight and no copy of it, ran the embedded model's projections 1.35x faster at 3
 a microbenchmark on this project's AVX-512 machine, and a whole 2,048-token forward 1.07x
 (bfloat16 already goes through oneDNN).
 
-While the runner's forward runs, each plain float32 `nn.Linear` of the model takes these paths;
+While the runner's forward runs, each plain `nn.Linear` of the model takes these paths;
 afterwards the model is exactly as it was, so other users of the same model object see torch's
 linear.
 """
@@ -25,6 +26,10 @@ import torch
 import torch.nn.functional as F
 
 MAX_ROWS = 64  # above this, a GEMM's packing of the weight pays for itself: oneDNN (or MKL) takes over
+# bfloat16: up to this many rows `small_linear_bf16` (AVX512-BF16) beats oneDNN, whose set-up costs
+# about 50 us a call (a microbenchmark of the embedded model's projections: 2-5x faster at 1-3 rows,
+# even at 8, slower from 16 on, where the products, not the weight's bytes, bound it)
+MAX_BF16_ROWS = 4
 
 
 def onednn_linear():
@@ -48,10 +53,12 @@ def onednn_linear():
 
 
 class CpuLinears:
-    def __init__(self, model: torch.nn.Module, small, large=None):
-        """small: `small_linear` for inputs of at most MAX_ROWS rows, or None; large: `onednn_linear()`
-        for more rows, or None (torch's linear)."""
-        self.small, self.large = small, large
+    def __init__(self, model: torch.nn.Module, small, large=None, small_bf16=None):
+        """small: `small_linear` for float32 inputs of at most MAX_ROWS rows, or None; large:
+        `onednn_linear()` for more rows, or None (torch's linear); small_bf16: `small_linear_bf16`
+        for bfloat16 inputs of at most MAX_BF16_ROWS rows, or None."""
+        self.small, self.large, self.small_bf16 = small, large, small_bf16
+        dtypes = {torch.float32} | ({torch.bfloat16} if small_bf16 is not None else set())
         # subclasses (quantized or LoRA linears) and modules whose forward is already wrapped on the
         # instance (accelerate's offloading hooks) keep their own path
         self.layers = [
@@ -59,7 +66,7 @@ class CpuLinears:
             for module in model.modules()
             if type(module) is torch.nn.Linear
             and "forward" not in vars(module)
-            and module.weight.dtype == torch.float32
+            and module.weight.dtype in dtypes
             and module.weight.device.type == "cpu"
         ]
         self.forwards = [functools.partial(self._forward, layer) for layer in self.layers]
@@ -67,9 +74,14 @@ class CpuLinears:
     def _forward(self, layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         features = x.shape[-1]
         rows = x.numel() // features if features else 0
-        if rows == 0 or x.dtype != torch.float32 or x.device.type != "cpu":
+        if rows == 0 or x.dtype != layer.weight.dtype or x.device.type != "cpu":
             return F.linear(x, layer.weight, layer.bias)
-        compute = self.small if rows <= MAX_ROWS else self.large
+        if x.dtype == torch.bfloat16:
+            compute = self.small_bf16 if rows <= MAX_BF16_ROWS else None
+        elif x.dtype == torch.float32:
+            compute = self.small if rows <= MAX_ROWS else self.large
+        else:
+            compute = None
         if compute is None:
             return F.linear(x, layer.weight, layer.bias)
         out = compute(x.reshape(rows, features), layer.weight, layer.bias)  # [rows, out_features]

@@ -30,6 +30,7 @@ from kvwise.engine.cpu_kernel import (
     paged_decode_kernel,
     quantized_decode_kernel,
     rows_decode_kernel,
+    small_linear_bf16_kernel,
     small_linear_kernel,
 )
 from kvwise.engine.cpu_linear import CpuLinears, onednn_linear
@@ -399,7 +400,8 @@ class ModelRunner:
         self.quantized_kernel = quantized_decode_kernel() if wide and cpu_kernel else None
         small = small_linear_kernel() if on_cpu and cpu_kernel else None
         large = onednn_linear() if on_cpu and cpu_kernel else None
-        self.cpu_linears = CpuLinears(model, small, large) if small or large else None
+        small_bf16 = small_linear_bf16_kernel() if wide and cpu_kernel else None
+        self.cpu_linears = CpuLinears(model, small, large, small_bf16) if small or large or small_bf16 else None
         self.profile: StepProfile | None = None  # set while a bench profiles the engine (`EngineCore.profiling`)
 
     @torch.no_grad()

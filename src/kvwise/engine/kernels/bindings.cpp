@@ -12,6 +12,8 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
                                int64_t value_bits, int64_t value_width, torch::Tensor value_codes,
                                torch::Tensor value_scale, torch::Tensor value_minimum);
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+torch::Tensor small_linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
+bool small_linear_bf16_available();
 void write_blocks(torch::Tensor pool, torch::Tensor block_ids, std::vector<torch::Tensor> entries);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -25,6 +27,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("small_linear", &small_linear, "x @ weight.T + bias for a few rows of x (CPU, float32)",
         py::call_guard<py::gil_scoped_release>());
+  m.def("small_linear_bf16", &small_linear_bf16, "x @ weight.T + bias for a few rows of x (CPU, bfloat16, AVX512-BF16)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("small_linear_bf16_available", &small_linear_bf16_available, "whether this build has AVX512-BF16");
   m.def("write_blocks", &write_blocks, "tier entries [layers, 2, ...] into pool blocks [2, layers, blocks, ...] (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

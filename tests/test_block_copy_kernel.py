@@ -8,6 +8,7 @@ import os
 import pytest
 import torch
 
+from kvwise.engine import cpu_kernel
 from kvwise.engine.cpu_kernel import block_write_kernel
 from kvwise.kv import paged
 from kvwise.kv.paged import PagedKVStorage
@@ -25,6 +26,13 @@ def _entries(count: int, dtype=torch.bfloat16, seed: int = 0) -> list[torch.Tens
 
 def _storage(dtype=torch.bfloat16) -> PagedKVStorage:
     return PagedKVStorage(4, 20, 8, 3, 16, dtype)  # layers, blocks, block size, kv heads, head dim
+
+
+def test_the_engine_registers_the_kernel_with_the_storage():
+    assert paged._entry_writer is cpu_kernel.write_entries_in_kernel
+    storage, entries = _storage(), _entries(2)
+    storage.write_entries([5, 9], entries)  # through the registered writer
+    assert torch.equal(storage.read_entry(5), entries[0]) and torch.equal(storage.read_entry(9), entries[1])
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
@@ -65,4 +73,6 @@ def test_the_kernel_refuses_what_does_not_fit():
         kernel(pool, torch.tensor([1, 2]), [entry])
     with pytest.raises(RuntimeError, match="must be a contiguous CPU"):
         kernel(pool, torch.tensor([1]), [entry[:, :, :4].contiguous()])
+    with pytest.raises(RuntimeError, match="must be a contiguous CPU"):  # the same bytes, another shape
+        kernel(pool, torch.tensor([1]), [entry.transpose(2, 3).contiguous()])
     assert not pool.any()  # a refused call writes nothing

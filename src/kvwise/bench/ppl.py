@@ -62,8 +62,8 @@ class PplConfig:
     paths: list[str] = field(default_factory=lambda: ["library"])
 
     def __post_init__(self):
-        if self.tokens < 2 or self.chunk < 1:
-            raise ValueError(f"tokens must be >= 2 and chunk >= 1, got {self.tokens} and {self.chunk}")
+        if self.tokens < 2 or not 1 <= self.chunk <= self.tokens:
+            raise ValueError(f"tokens must be >= 2 and chunk in [1, tokens], got {self.tokens} and {self.chunk}")
         if self.repeats < 1:
             raise ValueError(f"repeats must be >= 1, got {self.repeats}")
         if not self.paths or len(set(self.paths)) < len(self.paths) or set(self.paths) - set(PATHS):

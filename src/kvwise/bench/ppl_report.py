@@ -58,7 +58,7 @@ def markdown_table(report: dict) -> str:
     if paths != ["library"]:
         lines[3] += (
             " Engine rows (path engine) are scored through the serving engine: after the first chunk, one "
-            "token a step through its decode path; their ratios are against the engine's full cache."
+            "token a step through its decode path, in one pass; their ratios are against the engine's full cache."
         )
     for row in report["results"]:
         lines.append(

@@ -196,7 +196,8 @@ class EngineCore:
         decode_from: prompt tokens from this position on are read one a step, through the decode
         path, so their prompt logprobs are scored under the KV a generation would have there
         (settled tokens quantized, a cap evicting). Default: `compress_upto` when a KV mix
-        compresses and prompt logprobs are asked for, else the whole prompt is prefilled."""
+        compresses (for `kv_auto`, the mix the controller assigns) and prompt logprobs are asked
+        for, else the whole prompt is prefilled."""
         self.check_fits(len(token_ids), params.max_tokens)
         kv = resolve(kv)
         if kv_auto is not None:
@@ -214,9 +215,8 @@ class EngineCore:
                 raise ValueError(
                     f"compress_upto must be between 1 and the prompt's {len(token_ids)} tokens, got {compress_upto}"
                 )
-        compressing = kv_auto is not None or (kv is not None and kv.active)
-        if decode_from is None and compressing and params.prompt_logprobs is not None:
-            decode_from = compress_upto
+        if decode_from is None and kv is not None and kv.active and params.prompt_logprobs is not None:
+            decode_from = compress_upto  # an auto request's mix comes at admission: the scheduler sees it
         if decode_from is not None and not 1 <= decode_from <= len(token_ids):
             raise ValueError(
                 f"decode_from must be between 1 and the prompt's {len(token_ids)} tokens, got {decode_from}"

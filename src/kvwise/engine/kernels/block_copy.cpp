@@ -17,15 +17,17 @@ void write_blocks(torch::Tensor pool, torch::Tensor block_ids, std::vector<torch
   TORCH_CHECK(block_ids.device().is_cpu() && block_ids.scalar_type() == torch::kLong && block_ids.dim() == 1,
               "write_blocks: block_ids must be a CPU int64 vector");
   TORCH_CHECK(block_ids.size(0) == static_cast<int64_t>(entries.size()), "write_blocks: one entry per block id");
+  // ids are distinct (the caller allocated them), so the threads write disjoint blocks
   const int64_t layers = pool.size(1), blocks = pool.size(2);
   const int64_t run = pool.numel() / (2 * layers * blocks) * pool.element_size();  // bytes of one block of one layer
   const int64_t* ids = block_ids.data_ptr<int64_t>();
   for (size_t i = 0; i < entries.size(); ++i) {
     const auto& entry = entries[i];
     TORCH_CHECK(ids[i] >= 0 && ids[i] < blocks, "write_blocks: block id ", ids[i], " out of range");
+    bool same_block = entry.dim() == pool.dim() - 1 && entry.size(0) == layers && entry.size(1) == 2;
+    for (int64_t d = 2; same_block && d < entry.dim(); ++d) same_block = entry.size(d) == pool.size(d + 1);
     TORCH_CHECK(entry.device().is_cpu() && entry.is_contiguous() && entry.scalar_type() == pool.scalar_type() &&
-                    entry.numel() * entry.element_size() == 2 * layers * run && entry.size(0) == layers &&
-                    entry.size(1) == 2,
+                    same_block,
                 "write_blocks: entry ", i, " must be a contiguous CPU [layers, 2, ...] block of the pool's dtype");
   }
   auto* target = static_cast<char*>(pool.data_ptr());

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
 from kvwise.bench.niah_report import _cell, _peak
-from kvwise.bench.peak_memory import PeakMemory
+from kvwise.bench.peak_memory import SAMPLE_SECONDS, PeakMemory
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -17,6 +19,9 @@ def test_a_large_temporary_tensor_shows_in_the_peak():
     with PeakMemory("cpu") as large:
         buffer = torch.ones(64 * 2**20)  # 256 MB, touched so it is resident
         buffer.add_(1)
+        # held for ten sampling periods: on a loaded machine the sampler thread may not run at all
+        # during the few milliseconds the fill takes (a trial's tensors live far longer)
+        time.sleep(10 * SAMPLE_SECONDS)
         del buffer
     assert large.peak_bytes is not None and large.peak_bytes >= 200 * 2**20
     assert small.peak_bytes < 64 * 2**20

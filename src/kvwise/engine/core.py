@@ -215,8 +215,6 @@ class EngineCore:
                 raise ValueError(
                     f"compress_upto must be between 1 and the prompt's {len(token_ids)} tokens, got {compress_upto}"
                 )
-        if decode_from is None and kv is not None and kv.active and params.prompt_logprobs is not None:
-            decode_from = compress_upto  # an auto request's mix comes at admission: the scheduler sees it
         if decode_from is not None and not 1 <= decode_from <= len(token_ids):
             raise ValueError(
                 f"decode_from must be between 1 and the prompt's {len(token_ids)} tokens, got {decode_from}"

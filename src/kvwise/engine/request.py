@@ -107,6 +107,14 @@ class Request:
         return len(self.prompt) if self.recompute_to is None else self.recompute_to
 
     @property
+    def forced_from(self) -> int | None:
+        """Where its prompt starts being read one token a step: `decode_from`, else, for the
+        scored continuation of a mix (its own or the one `auto` assigned), `compress_upto`."""
+        if self.decode_from is not None:
+            return self.decode_from
+        return self.compress_upto if self.kv is not None and self.prompt_logprobs is not None else None
+
+    @property
     def compression_point(self) -> int:
         """The position after the last token its ratio compresses (see `compress_upto`)."""
         return self.prefill_target if self.compress_upto is None else self.compress_upto

@@ -219,11 +219,8 @@ class Scheduler:
         end = min(request.prefill_target, request.computed + budget)
         if request.compress_upto is not None and request.computed < request.compress_upto:
             end = min(end, request.compress_upto)  # a chunk ends there: the document is compressed first
-        if request.decode_from is not None:  # forced-token decoding from there (see Request.decode_from)
-            end = min(end, max(request.decode_from, request.computed + 1))
-        elif request.kv is not None and request.prompt_logprobs is not None and request.compress_upto is not None:
-            # an auto request whose mix the controller assigned at admission: the same default
-            end = min(end, max(request.compress_upto, request.computed + 1))
+        if request.forced_from is not None:  # forced-token decoding from there
+            end = min(end, max(request.forced_from, request.computed + 1))
         if end > request.computed and not self._reserve(request, end, step):
             # a shorter chunk in the blocks that are free (the prefix cache gave up what it could)
             end = min(end, self.kv.fit_tokens(request))

@@ -87,8 +87,19 @@ inline float exp_shifted(float* s, int64_t n, float peak) {
   for (; i < n; ++i) sum += (s[i] = std::exp(s[i] - peak));
   return sum;
 }
-// Four dot products of q with four key rows: one horizontal reduction for all four, where four
-// separate ones would cost twice the shuffles. out[j] = q . k[j].
+// out[j] = the sum of a_j's sixteen lanes, for four accumulators: one horizontal reduction for
+// all four, where four separate ones would cost twice the shuffles.
+inline void reduce4(__m512 a0, __m512 a1, __m512 a2, __m512 a3, float* out) {
+  // [a0 a1 a0 a1 | ...] then [a0 a1 a2 a3] per 128-bit lane, then the four lanes added
+  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+  const __m512 s0123 = _mm512_add_ps(
+      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
+      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
+  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(s0123), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s0123), 1)));
+  _mm_storeu_ps(out, _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1)));
+}
+// Four dot products of q with four key rows, out[j] = q . k[j], with one reduction (reduce4).
 inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
   __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
   int64_t i = 0;
@@ -99,15 +110,7 @@ inline void dot4(const float* q, const float* const* k, int64_t n, float* out) {
     a2 = _mm512_fmadd_ps(query, _mm512_loadu_ps(k[2] + i), a2);
     a3 = _mm512_fmadd_ps(query, _mm512_loadu_ps(k[3] + i), a3);
   }
-  // [a0 a1 a0 a1 | ...] then [a0 a1 a2 a3] per 128-bit lane, then the four lanes added
-  const __m512 s01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-  const __m512 s23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-  const __m512 s0123 = _mm512_add_ps(
-      _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))),
-      _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(s01), _mm512_castps_pd(s23))));
-  const __m256 halves = _mm256_add_ps(_mm512_castps512_ps256(s0123), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(s0123), 1)));
-  __m128 sums = _mm_add_ps(_mm256_castps256_ps128(halves), _mm256_extractf128_ps(halves, 1));
-  _mm_storeu_ps(out, sums);
+  reduce4(a0, a1, a2, a3, out);
   for (; i < n; ++i)
     for (int j = 0; j < 4; ++j) out[j] += q[i] * k[j][i];
 }

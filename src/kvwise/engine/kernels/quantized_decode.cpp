@@ -20,6 +20,7 @@
 #endif
 
 #include "attention_rows.h"
+#include "quantized_rows.h"
 
 namespace {
 
@@ -52,6 +53,18 @@ inline float half_to_float(const at::Half& h) { return static_cast<float>(h); }
 
 // The widest head the stage buffers below hold (checked when a role is made).
 constexpr int64_t MAX_DIM = 512;
+
+// Calls visit(kv_head, first, count) for each run of a task's query heads [0, heads) that read
+// one KV head (query head head0 + h reads KV head (head0 + h) / group), at most four at a time:
+// the register paths (quantized_rows.h) hold four heads' accumulators.
+template <class Visit>
+inline void for_each_head_run(int64_t head0, int64_t heads, int64_t group, Visit visit) {
+  for (int64_t h = 0; h < heads;) {
+    const int64_t kv = (head0 + h) / group, end = std::min({heads, (kv + 1) * group - head0, h + 4});
+    visit(kv, h, end - h);
+    h = end;
+  }
+}
 
 // n float16 values as float32 (F16C/AVX-512 converts 16 at a time).
 inline void halves_to_floats(const at::Half* __restrict h, float* __restrict out, int64_t n) {
@@ -194,6 +207,96 @@ struct QuantizedRole {
       }
     }
   }
+
+#if defined(__AVX512F__)
+  // Whether this role's blocks are read in registers (quantized_rows.h) rather than staged: int8
+  // and KIVI codes (keys per channel, values per token) over whole 16-channel vectors. FP8 (a
+  // table lookup) and other layouts are staged.
+  bool in_registers(bool as_keys) const {
+    if (dim % 16 != 0) return false;
+    if (kind == SCALED_INT8) return true;
+    return as_keys ? kind == PER_CHANNEL : kind == PER_TOKEN && width % 16 == 0;
+  }
+
+  Codes code_layout() const {
+    if (kind == SCALED_INT8) return Codes::SIGNED8;
+    return bits == 8 ? Codes::UNSIGNED8 : bits == 4 ? Codes::UNSIGNED4 : Codes::UNSIGNED2;
+  }
+
+  // s[h * n + t - lo] = q_h . key t, for a task's query heads h < heads (query head head0 + h, its
+  // query at q + h * dim) and tokens [lo, hi) of `block`. int8: the raw dot times the token's
+  // scale. KIVI keys: the query prescaled by the block's channel scales, plus q . minimum.
+  // scratch: 4 * dim + block_size floats.
+  void score(int64_t block, const float* q, int64_t head0, int64_t heads, int64_t group, int64_t lo, int64_t hi,
+             float* s, int64_t n, float* scratch) const {
+    for_each_head_run(head0, heads, group, [&](int64_t kv, int64_t first, int64_t count) {
+      const int64_t block_head = block * kv_heads + kv;
+      const float* query[4];
+      float* raw[4];
+      float offset[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int64_t j = 0; j < count; ++j) query[j] = q + (first + j) * dim, raw[j] = s + (first + j) * n;
+      if (kind == PER_CHANNEL) {  // q'[d] = q[d] * scale[d]; offset = q . minimum
+        float channel_scale[MAX_DIM], channel_minimum[MAX_DIM];
+        halves_to_floats(scale + block_head * dim, channel_scale, dim);
+        halves_to_floats(minimum + block_head * dim, channel_minimum, dim);
+        for (int64_t j = 0; j < count; ++j) {
+          float* prescaled = scratch + j * dim;
+          for (int64_t d = 0; d < dim; ++d) prescaled[d] = query[j][d] * channel_scale[d];
+          offset[j] = dot(query[j], channel_minimum, dim);
+          query[j] = prescaled;
+        }
+      }
+      dispatch_dots(code_layout(), count, query, codes_of(block_head), packed, lo, hi, dim, raw);
+      if (kind == SCALED_INT8) {
+        float* token_scale = scratch + 4 * dim;
+        halves_to_floats(scale + block_head * block_size + lo, token_scale, hi - lo);
+        for (int64_t j = 0; j < count; ++j)
+          for (int64_t t = 0; t < hi - lo; ++t) raw[j][t] *= token_scale[t];
+      } else {
+        for (int64_t j = 0; j < count; ++j)
+          for (int64_t t = 0; t < hi - lo; ++t) raw[j][t] += offset[j];
+      }
+    });
+  }
+
+  // out[h * dim + d] += sum over tokens t in [lo, hi) of w[h * n + t - lo] * value t of `block`,
+  // for a task's query heads h < heads. Each token's scale (per channel group) folds into its
+  // weight; KIVI's minimums add once per channel group. scratch: (4 + 2) * block_size * dim / 16
+  // floats.
+  void accumulate(int64_t block, const float* w, int64_t head0, int64_t heads, int64_t group, int64_t lo,
+                  int64_t hi, int64_t n, float* out, float* scratch) const {
+    const int64_t group_width = kind == PER_TOKEN ? width : dim, groups = dim / group_width;
+    const int64_t rows = hi - lo, per_head = rows * groups;
+    float* weights = scratch;  // [4, rows, groups]
+    float* token_scale = scratch + 4 * per_head;
+    float* token_minimum = token_scale + per_head;  // [rows, groups] each
+    for_each_head_run(head0, heads, group, [&](int64_t kv, int64_t first, int64_t count) {
+      const int64_t token0 = (block * kv_heads + kv) * block_size + lo;
+      halves_to_floats(scale + token0 * groups, token_scale, per_head);
+      if (kind == PER_TOKEN) halves_to_floats(minimum + token0 * groups, token_minimum, per_head);
+      const float* weight[4];
+      float* sums[4];
+      for (int64_t j = 0; j < count; ++j) {
+        const float* p = w + (first + j) * n;
+        float* scaled = weights + j * per_head;
+        for (int64_t t = 0; t < rows; ++t)
+          for (int64_t g = 0; g < groups; ++g) scaled[t * groups + g] = p[t] * token_scale[t * groups + g];
+        weight[j] = scaled;
+        sums[j] = out + (first + j) * dim;
+        if (kind == PER_TOKEN)
+          for (int64_t g = 0; g < groups; ++g) {
+            float shift = 0.f;
+            for (int64_t t = 0; t < rows; ++t) shift += p[t] * token_minimum[t * groups + g];
+            for (int64_t d = g * group_width; d < (g + 1) * group_width; ++d) sums[j][d] += shift;
+          }
+      }
+      dispatch_sums(code_layout(), count, weight, groups, group_width, codes_of(block * kv_heads + kv), packed, lo, hi,
+                    dim, sums);
+    });
+  }
+#endif
+
+  const uint8_t* codes_of(int64_t block_head) const { return codes + block_head * block_size * packed; }
 };
 
 QuantizedRole role_of(int64_t kind, int64_t bits, int64_t width, const torch::Tensor& codes,
@@ -319,8 +422,14 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
   const int64_t tasks = batch * tasks_per_sequence;
   const std::vector<int64_t> order = longest_first(tasks, tasks_per_sequence, length_of);
   std::atomic<int64_t> next{0};
+#if defined(__AVX512F__)
+  const bool keys_in_registers = key_role.in_registers(true), values_in_registers = value_role.in_registers(false);
+  const bool pool_in_registers = wide && dim % 16 == 0;
+#else
+  const bool keys_in_registers = false, values_in_registers = false, pool_in_registers = false;
+#endif
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores, staged(block_size * row);
+    std::vector<float> scores, staged(block_size * row), scratch(4 * dim + 6 * block_size * dim);
     for (int64_t taken = next++; taken < tasks; taken = next++) {
       const int64_t task = order[taken];
       const int64_t b = task / tasks_per_sequence, head0 = task % tasks_per_sequence * heads_per_task;
@@ -330,12 +439,20 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
       const int64_t* table = table_of + b * max_blocks;
       const float* q = q_all + (b * heads + head0) * dim;
       scores.resize(heads_per_task * n);  // [heads_per_task, n]
-      // The rows of block `i` from token `lo` to `hi` (within the block): the pool's block, or the
-      // quantized one staged for those tokens and heads.
-      // (and the next block of the table, when it is a pool block, requested ahead of its use)
+      // The next block of the table, requested ahead of its use: the pool block's rows, or the
+      // task's heads' codes of a quantized one.
+      auto prefetch_next = [&](const char* pool, const QuantizedRole& role, int64_t i) {
+        if ((i + 1) * block_size >= length) return;
+        const int64_t id = table[i + 1];
+        if (id >= 0)
+          prefetch_bytes(pool + id * block_size * row * element, block_size * row * element);
+        else if (role.kind != NONE)
+          prefetch_bytes(reinterpret_cast<const char*>(role.codes_of((-id - 1) * kv_heads + head_lo)),
+                         (head_hi - head_lo) * block_size * role.packed);
+      };
+      // The rows of block `i` from token `lo` to `hi` (within the block) as float32 rows laid out
+      // as a pool block: the pool's block, or the block staged for those tokens and heads.
       auto block_rows = [&](const char* pool, const QuantizedRole& role, int64_t i, int64_t lo, int64_t hi) {
-        if ((i + 1) * block_size < length && table[i + 1] >= 0)
-          prefetch_bytes(pool + table[i + 1] * block_size * row * element, block_size * row * element);
         const int64_t id = table[i];
         if (id < 0) {
           role.stage(-id - 1, head_lo, head_hi, lo, hi, staged.data());
@@ -349,8 +466,26 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
       for (int64_t i = first / block_size; i * block_size < length; ++i) {
         const int64_t start = i * block_size, lo = std::max(start, first) - start;
         const int64_t hi = std::min(start + block_size, length) - start;
-        const float* rows = block_rows(k_pool, key_role, i, lo, hi);
         float* s = scores.data() + (start + lo - first);
+        prefetch_next(k_pool, key_role, i);
+        const int64_t id = table[i];
+#if defined(__AVX512F__)
+        if (id < 0 && keys_in_registers) {
+          key_role.score(-id - 1, q, head0, heads_per_task, group, lo, hi, s, n, scratch.data());
+          continue;
+        }
+        if (id >= 0 && pool_in_registers) {
+          const uint8_t* block = reinterpret_cast<const uint8_t*>(k_pool + id * block_size * row * element);
+          for_each_head_run(head0, heads_per_task, group, [&](int64_t kv, int64_t h, int64_t count) {
+            const float* query[4];
+            float* raw[4];
+            for (int64_t j = 0; j < count; ++j) query[j] = q + (h + j) * dim, raw[j] = s + (h + j) * n;
+            dispatch_dots(Codes::BFLOAT16, count, query, block + kv * dim * element, row * element, lo, hi, dim, raw);
+          });
+          continue;
+        }
+#endif
+        const float* rows = block_rows(k_pool, key_role, i, lo, hi);
         int64_t t = lo;
         for (; t + 4 <= hi; t += 4)
           for (int64_t h = 0; h < heads_per_task; ++h) {
@@ -369,13 +504,33 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
       for (int64_t i = first / block_size; i * block_size < length; ++i) {
         const int64_t start = i * block_size, lo = std::max(start, first) - start;
         const int64_t hi = std::min(start + block_size, length) - start;
+        const float* w = scores.data() + (start + lo - first);
+        prefetch_next(v_pool, value_role, i);
+        const int64_t id = table[i];
+#if defined(__AVX512F__)
+        if (id < 0 && values_in_registers) {
+          value_role.accumulate(-id - 1, w, head0, heads_per_task, group, lo, hi, n, out, scratch.data());
+          continue;
+        }
+        if (id >= 0 && pool_in_registers) {
+          const uint8_t* block = reinterpret_cast<const uint8_t*>(v_pool + id * block_size * row * element);
+          for_each_head_run(head0, heads_per_task, group, [&](int64_t kv, int64_t h, int64_t count) {
+            const float* weight[4];
+            float* sums[4];
+            for (int64_t j = 0; j < count; ++j) weight[j] = w + (h + j) * n, sums[j] = out + (h + j) * dim;
+            dispatch_sums(Codes::BFLOAT16, count, weight, 1, dim, block + kv * dim * element, row * element, lo, hi,
+                          dim, sums);
+          });
+          continue;
+        }
+#endif
         const float* rows = block_rows(v_pool, value_role, i, lo, hi);
         for (int64_t t = lo; t < hi; t += ROWS) {
           const int64_t count = std::min<int64_t>(ROWS, hi - t);
           for (int64_t h = 0; h < heads_per_task; ++h) {
             const float* v[ROWS];
             for (int64_t j = 0; j < count; ++j) v[j] = rows + (t + j) * row + (head0 + h) / group * dim;
-            weighted_sum(scores.data() + h * n + (start + t - first), v, count, out + h * dim, dim);
+            weighted_sum(w + h * n + (t - lo), v, count, out + h * dim, dim);
           }
         }
       }

@@ -153,3 +153,32 @@ def test_out_of_range_quantized_ids_are_refused():
     pool = torch.zeros(2, 16, 1, 32)
     with pytest.raises(RuntimeError, match="block id out of range"):
         kernel(torch.randn(1, 2, 32), pool, pool, torch.tensor([[-3]]), torch.tensor([4]), 1.0, 0.0, 0, *roles)
+
+
+@pytest.mark.parametrize("patterns", ["every", "subnormal"])
+def test_reads_every_fp8_bit_pattern_as_the_python_decoder_does(patterns):
+    """Every float8 e4m3fn pattern (subnormals, the largest normals, both signs, and the NaN
+    pattern the codec never writes) is widened in registers to what `QuantizedBlocks.read` gives;
+    a cache of subnormals only, so that they are not lost beside the normals."""
+    generator = torch.Generator().manual_seed(3)
+    block_size, kv_heads, dim, count = 16, 2, 64, 8
+    blocks = QuantizedBlocks(make_quantizer("fp8"), count, block_size, kv_heads, dim)
+    shape = (count, block_size, kv_heads, dim)
+    blocks.write(torch.arange(count), torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+    for role in (blocks.keys, blocks.values):
+        codes = role.per_token["codes"]
+        index = torch.arange(codes.numel())
+        if patterns == "every":
+            bits = index * 7 % 256  # in a scrambled order
+        else:
+            bits = index * 3 % 8 + index // 8 % 2 * 128  # exponent 0, either sign
+        codes.copy_(bits.to(torch.uint8).view_as(codes))
+    (roles,) = kernel_roles([blocks])
+    tables = -torch.arange(count).view(2, 4) - 1
+    lengths, query = torch.tensor([64, 57]), torch.randn(2, 4, dim, generator=generator)
+    pool = torch.zeros(1, block_size, kv_heads, dim)
+    got = kernel(query, pool, pool, tables, lengths, 0.02, 0.0, 0, *roles)
+    keys, values = _restored(tables, pool, pool, blocks, count)
+    expected = _attention(query, keys, values, lengths, 0.02, 0.0, 0)
+    assert torch.isfinite(got).all()
+    assert (got - expected).abs().max() < TOLERANCE * expected.abs().max().clamp_min(1)

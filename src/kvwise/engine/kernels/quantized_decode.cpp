@@ -210,21 +210,23 @@ struct QuantizedRole {
 
 #if defined(__AVX512F__)
   // Whether this role's blocks are read in registers (quantized_rows.h) rather than staged: int8
-  // and KIVI codes (keys per channel, values per token) over whole 16-channel vectors. FP8 (a
-  // table lookup) and other layouts are staged.
+  // fp8 and KIVI codes (keys per channel, values per token) where a head is whole 16-byte loads of
+  // codes and channel groups are whole vectors. Other layouts are staged.
   bool in_registers(bool as_keys) const {
-    if (dim % 16 != 0) return false;
-    if (kind == SCALED_INT8) return true;
+    const int64_t span = bits == 8 ? 16 : 16 * 8 / bits;  // channels a load widens
+    if (dim % span != 0) return false;
+    if (kind == SCALED_INT8 || kind == SCALED_FP8) return true;
     return as_keys ? kind == PER_CHANNEL : kind == PER_TOKEN && width % 16 == 0;
   }
 
   Codes code_layout() const {
     if (kind == SCALED_INT8) return Codes::SIGNED8;
+    if (kind == SCALED_FP8) return Codes::FP8;
     return bits == 8 ? Codes::UNSIGNED8 : bits == 4 ? Codes::UNSIGNED4 : Codes::UNSIGNED2;
   }
 
   // s[h * n + t - lo] = q_h . key t, for a task's query heads h < heads (query head head0 + h, its
-  // query at q + h * dim) and tokens [lo, hi) of `block`. int8: the raw dot times the token's
+  // query at q + h * dim) and tokens [lo, hi) of `block`. int8 and fp8: the raw dot times the token's
   // scale. KIVI keys: the query prescaled by the block's channel scales, plus q . minimum.
   // scratch: 4 * dim + block_size floats.
   void score(int64_t block, const float* q, int64_t head0, int64_t heads, int64_t group, int64_t lo, int64_t hi,
@@ -247,7 +249,7 @@ struct QuantizedRole {
         }
       }
       dispatch_dots(code_layout(), count, query, codes_of(block_head), packed, lo, hi, dim, raw);
-      if (kind == SCALED_INT8) {
+      if (kind == SCALED_INT8 || kind == SCALED_FP8) {
         float* token_scale = scratch + 4 * dim;
         halves_to_floats(scale + block_head * block_size + lo, token_scale, hi - lo);
         for (int64_t j = 0; j < count; ++j)

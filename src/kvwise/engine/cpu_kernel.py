@@ -71,6 +71,15 @@ def small_linear_bf16_kernel():
     return kernels.small_linear_bf16 if available is not None and available() else None
 
 
+def prefill_bf16_kernel():
+    """`prefill_bf16(query [T, H, D], keys, values [blocks, block_size, KVH, D], table [blocks] int64,
+    start, scale) -> [T, H, D]`: causal bfloat16 attention of a chunk at positions start .. start+T-1,
+    or None where the kernels are not built or this CPU has no AVX512-BF16."""
+    kernels = cpu_kernels()
+    available = getattr(kernels, "prefill_bf16_available", None)
+    return kernels.prefill_bf16 if available is not None and available() else None
+
+
 def small_linear_kernel():
     """`small_linear(x [M, K], weight [N, K], bias [N] | None) -> [M, N]`, or None."""
     return getattr(cpu_kernels(), "small_linear", None)

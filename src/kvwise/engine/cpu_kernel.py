@@ -1,7 +1,7 @@
 """kvwise's CPU kernels (kernels/*.cpp), compiled once per machine into one module: decode
 attention over the paged pool (paged_decode.cpp), projections of a few rows (small_linear.cpp, and
-small_linear_bf16.cpp where the CPU has AVX512-BF16) and
-tier entries copied into pool blocks (block_copy.cpp).
+small_linear_bf16.cpp where the CPU has AVX512-BF16), bfloat16 prefill attention (prefill_bf16.cpp,
+AVX512-BF16 too) and tier entries copied into pool blocks (block_copy.cpp).
 
 The build lands in `$KVWISE_HOME/kernels/<hash>`. The hash covers everything the binary depends
 on: the sources, the flags, the CPU's instruction sets (`-march=native` code must not run on

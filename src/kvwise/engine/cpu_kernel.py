@@ -1,7 +1,7 @@
 """kvwise's CPU kernels (kernels/*.cpp), compiled once per machine into one module: decode
 attention over the paged pool (paged_decode.cpp), projections of a few rows (small_linear.cpp, and
-small_linear_bf16.cpp where the CPU has AVX512-BF16), bfloat16 prefill attention (prefill_bf16.cpp,
-AVX512-BF16 too) and tier entries copied into pool blocks (block_copy.cpp).
+small_linear_bf16.cpp where the CPU has AVX512-BF16), prefill attention with AVX-512
+(prefill_attention.cpp) and tier entries copied into pool blocks (block_copy.cpp).
 
 The build lands in `$KVWISE_HOME/kernels/<hash>`. The hash covers everything the binary depends
 on: the sources, the flags, the CPU's instruction sets (`-march=native` code must not run on
@@ -23,6 +23,8 @@ import sys
 import sysconfig
 import warnings
 from pathlib import Path
+
+import torch
 
 from kvwise.kv.paged import register_entry_writer
 from kvwise.util.home import kvwise_home
@@ -71,13 +73,16 @@ def small_linear_bf16_kernel():
     return kernels.small_linear_bf16 if available is not None and available() else None
 
 
-def prefill_bf16_kernel():
-    """`prefill_bf16(query [T, H, D], keys, values [blocks, block_size, KVH, D], table [blocks] int64,
-    start, scale) -> [T, H, D]`: causal bfloat16 attention of a chunk at positions start .. start+T-1,
-    or None where the kernels are not built or this CPU has no AVX512-BF16."""
+def prefill_attention_kernel(dtype: torch.dtype):
+    """`prefill_attention(query [T, H, D], keys, values [blocks, block_size, KVH, D], table [blocks]
+    int64, start, scale) -> [T, H, D]`: causal attention of a chunk at positions start .. start+T-1
+    in `dtype` (float32 or bfloat16), or None where the kernels are not built or this CPU lacks the
+    dtype's instructions (float32: AVX-512; bfloat16: AVX512-BF16)."""
     kernels = cpu_kernels()
-    available = getattr(kernels, "prefill_bf16_available", None)
-    return kernels.prefill_bf16 if available is not None and available() else None
+    available = getattr(kernels, "prefill_attention_available", None)
+    if dtype not in (torch.float32, torch.bfloat16) or available is None:
+        return None
+    return kernels.prefill_attention if available(dtype == torch.bfloat16) else None
 
 
 def small_linear_kernel():

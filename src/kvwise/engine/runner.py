@@ -28,7 +28,7 @@ from kvwise.engine.block_table import Place
 from kvwise.engine.compaction import Compaction
 from kvwise.engine.cpu_kernel import (
     paged_decode_kernel,
-    prefill_bf16_kernel,
+    prefill_attention_kernel,
     quantized_decode_kernel,
     rows_decode_kernel,
     small_linear_bf16_kernel,
@@ -163,7 +163,7 @@ class StepLayout:
     decode_kernel: object = None  # cpu_kernel.paged_decode_kernel(), for groups with `lengths`
     rows_kernel: object = None  # cpu_kernel.rows_decode_kernel(), for groups with `rows`
     quantized_kernel: object = None  # cpu_kernel.quantized_decode_kernel(), for groups with `quantized`
-    prefill_kernel: object = None  # cpu_kernel.prefill_bf16_kernel(), for plain bfloat16 prefill chunks
+    prefill_kernel: object = None  # cpu_kernel.prefill_attention_kernel(), for plain prefill chunks
     # layer -> [1, T, hidden]: each layer's input, kept when a compaction scores hidden states (kvzap)
     attention_inputs: dict = field(default_factory=dict)
     profile: StepProfile | None = None  # while a bench profiles the engine: attention timed per group
@@ -234,7 +234,7 @@ def _group_attention(group: AttentionGroup, layout, layer: int, query, key, scal
         return kernel(queries, keys, values, tables, group.lengths, scale, capped, windowed)
     if group.quest is not None:
         return _quest_attend(group, storage, layer, query, scaling, softcap)
-    if _prefills_in_kernel(group, layout, window, softcap):
+    if _prefills_in_kernel(group, layout, window, softcap, head_dim):
         queries = query[0, :, group.first : group.last].transpose(0, 1)  # [T, heads, dim]
         start = group.keys_per_chunk - queries.shape[0]
         scale = scaling if scaling is not None else head_dim**-0.5
@@ -341,11 +341,13 @@ def attached_step(modules: list, layout: StepLayout) -> Iterator[None]:
             delattr(module, STEP_ATTRIBUTE)
 
 
-def _prefills_in_kernel(group: AttentionGroup, layout, window, softcap) -> bool:
-    """A plain prefill chunk (its KV all in pool blocks, no window that cuts it, no soft cap) of a
-    bfloat16 pool, where the CPU kernels have AVX512-BF16: causal attention in `prefill_bf16`."""
+def _prefills_in_kernel(group: AttentionGroup, layout, window, softcap, head_dim: int) -> bool:
+    """A plain prefill chunk (its KV all in pool blocks, no window that cuts it, no soft cap, a
+    head of whole 16-float vectors) on a CPU whose kernels have the pool dtype's path: causal
+    attention in `prefill_attention`."""
     return (
         layout.prefill_kernel is not None
+        and head_dim % 16 == 0
         and group.chunks == 1
         and not group.decodes
         and group.mixed is None
@@ -419,9 +421,10 @@ class ModelRunner:
         # quantized blocks, and bfloat16 pools, go through the kernel that reads them block by block
         wide = storage.keys[0].device.type == "cpu" and storage.keys[0].dtype in (torch.float32, torch.bfloat16)
         self.quantized_kernel = quantized_decode_kernel() if wide and cpu_kernel else None
-        # bfloat16 prefill chunks: torch's CPU flash attention runs bfloat16 at float32's rate
-        bf16 = storage.keys[0].device.type == "cpu" and storage.keys[0].dtype == torch.bfloat16
-        self.prefill_kernel = prefill_bf16_kernel() if bf16 and cpu_kernel else None
+        # prefill chunks: torch's CPU flash attention reached half the float32 peak, and ran
+        # bfloat16 at float32's rate
+        pool_dtype = storage.keys[0].dtype
+        self.prefill_kernel = prefill_attention_kernel(pool_dtype) if wide and cpu_kernel else None
         small = small_linear_kernel() if on_cpu and cpu_kernel else None
         large = onednn_linear() if on_cpu and cpu_kernel else None
         small_bf16 = small_linear_bf16_kernel() if wide and cpu_kernel else None

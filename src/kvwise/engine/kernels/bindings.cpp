@@ -14,9 +14,9 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
 torch::Tensor small_linear(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 torch::Tensor small_linear_bf16(torch::Tensor x, torch::Tensor weight, c10::optional<torch::Tensor> bias);
 bool small_linear_bf16_available();
-torch::Tensor prefill_bf16(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor table,
-                           int64_t start, double scale);
-bool prefill_bf16_available();
+torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor keys, torch::Tensor values, torch::Tensor table,
+                                int64_t start, double scale);
+bool prefill_attention_available(bool bfloat16);
 void write_blocks(torch::Tensor pool, torch::Tensor block_ids, std::vector<torch::Tensor> entries);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -33,9 +33,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("small_linear_bf16", &small_linear_bf16, "x @ weight.T + bias for a few rows of x (CPU, bfloat16, AVX512-BF16)",
         py::call_guard<py::gil_scoped_release>());
   m.def("small_linear_bf16_available", &small_linear_bf16_available, "whether this build has AVX512-BF16");
-  m.def("prefill_bf16", &prefill_bf16, "causal prefill attention of one chunk over its paged KV (CPU, bfloat16)",
+  m.def("prefill_attention", &prefill_attention,
+        "causal prefill attention of one chunk over its paged KV (CPU, float32 or bfloat16)",
         py::call_guard<py::gil_scoped_release>());
-  m.def("prefill_bf16_available", &prefill_bf16_available, "whether this build has AVX512-BF16");
+  m.def("prefill_attention_available", &prefill_attention_available,
+        "whether this build has the dtype's path (float32: AVX-512, bfloat16: AVX512-BF16)");
   m.def("write_blocks", &write_blocks, "tier entries [layers, 2, ...] into pool blocks [2, layers, blocks, ...] (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

@@ -1,10 +1,10 @@
 // Decode attention over block tables that mix full-precision blocks of the pool with quantized
-// blocks (int8, fp8, KIVI 4/2-bit), read where they lie. A quantized block is dequantized into a
-// small per-thread buffer (one block of the heads a task reads: a few KB, so it stays in L1) just
-// before its rows are used, and used there: the KV is read from memory as codes and scales, never
-// as a full-precision copy, and plain, quantized and mixed sequences share one call. A bfloat16
-// pool is read the same way: each block widened to float32 in that buffer, so bfloat16 KV moves
-// half the bytes of float32 and the arithmetic stays float32.
+// blocks (int8, fp8, KIVI 4/2-bit), read where they lie, and over a bfloat16 pool. Int8, fp8 and
+// KIVI codes and bfloat16 rows are widened to float32 in registers where they are used
+// (quantized_rows.h); other layouts (a head or channel group not a whole number of vectors) are
+// dequantized into a small per-thread buffer (one block of the heads a task reads: a few KB, so
+// it stays in L1) just before use. Either way the KV is read from memory as it is stored, never
+// as a full-precision copy, and plain, quantized and mixed sequences share one call.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
@@ -431,7 +431,8 @@ torch::Tensor quantized_decode(torch::Tensor query, torch::Tensor keys, torch::T
   const bool keys_in_registers = false, values_in_registers = false, pool_in_registers = false;
 #endif
   at::parallel_for(0, at::get_num_threads(), 1, [&](int64_t, int64_t) {
-    std::vector<float> scores, staged(block_size * row), scratch(4 * dim + 6 * block_size * dim);
+    // scratch: score's 4 * dim + block_size floats, accumulate's 6 * block_size * dim / 16
+    std::vector<float> scores, staged(block_size * row), scratch(4 * dim + block_size + 6 * block_size * (dim / 16 + 1));
     for (int64_t taken = next++; taken < tasks; taken = next++) {
       const int64_t task = order[taken];
       const int64_t b = task / tasks_per_sequence, head0 = task % tasks_per_sequence * heads_per_task;

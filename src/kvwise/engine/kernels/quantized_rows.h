@@ -5,16 +5,15 @@
 // applied to the score afterwards (int8, fp8: one scale per token) or folded into the query (KIVI
 // keys: one scale and minimum per channel for the whole block). A value row's scale folds into
 // its softmax weight, and its minimum into one weighted sum per channel group. So each code is
-// converted once per KV head, used by every query head of the group, and nothing full-precision
-// is written to memory: the earlier path staged each block as float32 and read it back, and
-// spent more time there than a float32 pool spends waiting on its four-times-larger rows.
+// converted once for up to four query heads of its KV head (a larger group takes it in runs of
+// four), and nothing full-precision is written to memory. Staging each block as float32 and
+// reading it back cost more time than a float32 pool spends waiting on its larger rows.
 #pragma once
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
 
 #include <cstdint>
-#include <cstring>
 
 namespace {
 
@@ -31,17 +30,17 @@ constexpr int VECTORS = C == Codes::UNSIGNED4 ? 2 : C == Codes::UNSIGNED2 ? 4 : 
 // bfloat16: the high half of a float32)
 template <Codes C>
 inline void channels(const uint8_t* row, int64_t d, __m512* out) {
-  const auto widen = [](__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); };
+  const auto bytes_to_floats = [](__m128i bytes) { return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(bytes)); };
   if constexpr (C == Codes::SIGNED8) {
     out[0] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d))));
   } else if constexpr (C == Codes::UNSIGNED8) {
-    out[0] = widen(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d)));
+    out[0] = bytes_to_floats(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d)));
   } else if constexpr (C == Codes::UNSIGNED4) {  // low and high nibbles, interleaved back
     const __m128i mask = _mm_set1_epi8(15);
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d / 2));
     const __m128i low = _mm_and_si128(bytes, mask), high = _mm_and_si128(_mm_srli_epi16(bytes, 4), mask);
-    out[0] = widen(_mm_unpacklo_epi8(low, high));
-    out[1] = widen(_mm_unpackhi_epi8(low, high));
+    out[0] = bytes_to_floats(_mm_unpacklo_epi8(low, high));
+    out[1] = bytes_to_floats(_mm_unpackhi_epi8(low, high));
   } else if constexpr (C == Codes::UNSIGNED2) {  // the four 2-bit fields, interleaved back
     const __m128i mask = _mm_set1_epi8(3);
     const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d / 4));
@@ -50,10 +49,10 @@ inline void channels(const uint8_t* row, int64_t d, __m512* out) {
                   f3 = _mm_and_si128(_mm_srli_epi16(bytes, 6), mask);
     const __m128i low01 = _mm_unpacklo_epi8(f0, f1), low23 = _mm_unpacklo_epi8(f2, f3);
     const __m128i high01 = _mm_unpackhi_epi8(f0, f1), high23 = _mm_unpackhi_epi8(f2, f3);
-    out[0] = widen(_mm_unpacklo_epi16(low01, low23));
-    out[1] = widen(_mm_unpackhi_epi16(low01, low23));
-    out[2] = widen(_mm_unpacklo_epi16(high01, high23));
-    out[3] = widen(_mm_unpackhi_epi16(high01, high23));
+    out[0] = bytes_to_floats(_mm_unpacklo_epi16(low01, low23));
+    out[1] = bytes_to_floats(_mm_unpackhi_epi16(low01, low23));
+    out[2] = bytes_to_floats(_mm_unpacklo_epi16(high01, high23));
+    out[3] = bytes_to_floats(_mm_unpackhi_epi16(high01, high23));
   } else if constexpr (C == Codes::FP8) {  // float8 e4m3fn: sign, 4 exponent bits (bias 7), 3 mantissa bits
     const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d)));
     const __m512i magnitude = _mm512_and_si512(bytes, _mm512_set1_epi32(0x7F));

@@ -56,7 +56,15 @@ def test_switched_off_by_the_environment(fresh, monkeypatch):
     assert cpu_kernel.paged_decode_kernel() is None
 
 
-def test_build_kernels_command_says_what_decode_runs_on(capsys, monkeypatch):
+@pytest.fixture
+def kernels_reloaded_after():
+    """The command clears the kernels' cache and, switched off, caches None: the tests after this
+    one load the kernels again rather than run on SDPA unawares."""
+    yield
+    cpu_kernel.cpu_kernels.cache_clear()
+
+
+def test_build_kernels_command_says_what_decode_runs_on(capsys, monkeypatch, kernels_reloaded_after):
     from kvwise.cli import main
     from kvwise.engine.cpu_kernel import cpu_kernels
 

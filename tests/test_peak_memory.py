@@ -19,9 +19,11 @@ def test_a_large_temporary_tensor_shows_in_the_peak():
     with PeakMemory("cpu") as large:
         buffer = torch.ones(64 * 2**20)  # 256 MB, touched so it is resident
         buffer.add_(1)
-        # held for ten sampling periods: on a loaded machine the sampler thread may not run at all
-        # during the few milliseconds the fill takes (a trial's tensors live far longer)
-        time.sleep(10 * SAMPLE_SECONDS)
+        # held until the sampler has run three times since: on a loaded machine its thread may not
+        # run for tens of milliseconds (a trial's tensors live far longer than this fill)
+        taken, deadline = large.samples, time.monotonic() + 10
+        while large.samples < taken + 3 and time.monotonic() < deadline:
+            time.sleep(SAMPLE_SECONDS)
         del buffer
     assert large.peak_bytes is not None and large.peak_bytes >= 200 * 2**20
     assert small.peak_bytes < 64 * 2**20

@@ -30,6 +30,7 @@ class PeakMemory:
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self.peak_bytes: int | None = None
+        self.samples = 0  # resident-set samples taken so far (CPU)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -49,6 +50,7 @@ class PeakMemory:
     def _sample(self) -> None:
         while not self._stop.wait(SAMPLE_SECONDS):
             self._highest = max(self._highest, _resident_bytes() or 0)
+            self.samples += 1
 
     def __exit__(self, *exc_info) -> None:
         if self.device.type == "cuda":

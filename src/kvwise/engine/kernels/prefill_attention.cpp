@@ -97,7 +97,7 @@ inline void tile_scores(const float* const* query, const float* k_tile, int64_t 
 constexpr int64_t SPAN = 4;
 
 // acc[i] (output vectors b0 + i) += sum over `steps` of weight(step) * vector(step, b0 + i):
-// COUNT vectors at a time where the head has them, the rest one by one
+// SPAN vectors at a time where the head has them, the rest one by one
 template <class Step>
 inline void accumulate_span(int64_t vectors, int64_t steps, float rescale, float* o, Step step) {
   const __m512 factor = _mm512_set1_ps(rescale);

@@ -212,7 +212,12 @@ def run_reuse(config: ReuseConfig, out_dir: Path) -> dict:
     restore_ids = tokenizer(read_haystack(), return_tensors="pt", add_special_tokens=False).input_ids
     restore_ids = restore_ids[:, -(config.restore_tokens + 1) :]
     with tempfile.TemporaryDirectory() as scratch, tqdm(total=2 * len(requests), desc="rag", unit="request") as bar:
-        tiers = {"host": HostTier(capacity_bytes=8 << 30), "disk": DiskTier(Path(scratch) / "disk")}
+        tiers = {
+            "host": HostTier(capacity_bytes=8 << 30),
+            "disk": DiskTier(Path(scratch) / "disk"),
+            # a MAC key swaps the damage checksum for keyed BLAKE3: what authenticated files cost
+            "disk (MAC key)": DiskTier(Path(scratch) / "disk-mac", mac_key=b"kvwise-bench"),
+        }
         if config.redis_url is not None:
             tiers["redis"] = RedisTier(config.redis_url, hmac_key="kvwise-bench", ttl_seconds=600)
         else:

@@ -1,7 +1,8 @@
 """kvwise's CPU kernels (kernels/*.cpp), compiled once per machine into one module: decode
 attention over the paged pool (paged_decode.cpp), projections of a few rows (small_linear.cpp, and
 small_linear_bf16.cpp where the CPU has AVX512-BF16), prefill attention with AVX-512
-(prefill_attention.cpp) and tier entries copied into pool blocks (block_copy.cpp).
+(prefill_attention.cpp), RMSNorm, SiLU(gate) * up and rotary embedding in one pass each (elementwise.cpp) and tier
+entries copied into pool blocks (block_copy.cpp).
 
 The build lands in `$KVWISE_HOME/kernels/<hash>`. The hash covers everything the binary depends
 on: the sources, the flags, the CPU's instruction sets (`-march=native` code must not run on
@@ -71,6 +72,16 @@ def small_linear_bf16_kernel():
     kernels = cpu_kernels()
     available = getattr(kernels, "small_linear_bf16_available", None)
     return kernels.small_linear_bf16 if available is not None and available() else None
+
+
+def elementwise_kernels():
+    """(`rms_norm(x, weight, eps)`, `silu_mul(gate, up)`, `rotary(x, cos, sin)`) in float32 and
+    bfloat16, or None where the kernels are not built or this build has no AVX-512."""
+    kernels = cpu_kernels()
+    available = getattr(kernels, "elementwise_available", None)
+    if available is None or not available():
+        return None
+    return kernels.rms_norm, kernels.silu_mul, kernels.rotary
 
 
 def prefill_attention_kernel(dtype: torch.dtype):

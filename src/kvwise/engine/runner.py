@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from kvwise.engine.block_table import Place
 from kvwise.engine.compaction import Compaction
 from kvwise.engine.cpu_kernel import (
+    elementwise_kernels,
     paged_decode_kernel,
     prefill_attention_kernel,
     quantized_decode_kernel,
@@ -35,6 +36,7 @@ from kvwise.engine.cpu_kernel import (
     small_linear_kernel,
 )
 from kvwise.engine.cpu_linear import CpuLinears, onednn_linear
+from kvwise.engine.fused_layers import FusedLayers
 from kvwise.engine.kv_view import RunnerView
 from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.quantized_kernel import NO_ROLES
@@ -429,6 +431,9 @@ class ModelRunner:
         large = onednn_linear() if on_cpu and cpu_kernel else None
         small_bf16 = small_linear_bf16_kernel() if wide and cpu_kernel else None
         self.cpu_linears = CpuLinears(model, small, large, small_bf16) if small or large or small_bf16 else None
+        # RMSNorm and SiLU(gate) * up in one pass each (vLLM's CPU backend fuses them too)
+        elementwise = elementwise_kernels() if wide and cpu_kernel else None
+        self.fused_layers = (FusedLayers(model, *elementwise) or None) if elementwise else None
         self.profile: StepProfile | None = None  # set while a bench profiles the engine (`EngineCore.profiling`)
 
     @torch.no_grad()
@@ -487,7 +492,8 @@ class ModelRunner:
         if self.profile is not None:
             decode_tokens = sum(len(bucket) for bucket in buckets)
             timed = self.profile.forward(len(ids[0]) - decode_tokens, decode_tokens)
-        with attached_step(self.attention_modules, layout), linears, timed:
+        fused = self.fused_layers.active() if self.fused_layers else contextlib.nullcontext()
+        with attached_step(self.attention_modules, layout), linears, fused, timed:
             kept = torch.tensor(keep, device=device)
             logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=kept).logits[0]
         last = [spans[id(chunk)][0] + spans[id(chunk)][1] - 1 for chunk in chunks]

@@ -58,9 +58,12 @@ class PagedKVStorage:
         pool.on_release(self.zero)
 
     def write(self, layer: int, slots: torch.Tensor, keys: torch.Tensor, values: torch.Tensor) -> None:
-        """Store tokens. slots: [n] int64 (block * block_size + offset); keys, values: [n, num_kv_heads, head_dim]."""
-        self.keys[layer].view(-1, *keys.shape[1:])[slots] = keys
-        self.values[layer].view(-1, *values.shape[1:])[slots] = values
+        """Store tokens. slots: [n] int64 (block * block_size + offset); keys, values: [n, num_kv_heads, head_dim].
+        A contiguous source and `index_copy_`: on CPU, 3-10x faster than `pool[slots] = keys` from
+        the attention's transposed view (which took 2 ms of each float32 decode step of the
+        embedded model)."""
+        self.keys[layer].view(-1, *keys.shape[1:]).index_copy_(0, slots, keys.contiguous())
+        self.values[layer].view(-1, *values.shape[1:]).index_copy_(0, slots, values.contiguous())
 
     def read_blocks(self, block_ids: list[int] | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Copies of whole blocks of every layer: keys, values [num_layers, n, block_size, num_kv_heads, head_dim]."""

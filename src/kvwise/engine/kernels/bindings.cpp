@@ -18,6 +18,10 @@ torch::Tensor prefill_attention(torch::Tensor query, torch::Tensor keys, torch::
                                 int64_t start, double scale);
 bool prefill_attention_available(bool bfloat16);
 void write_blocks(torch::Tensor pool, torch::Tensor block_ids, std::vector<torch::Tensor> entries);
+torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps);
+torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up);
+torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin);
+bool elementwise_available();
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released: the server's event loop keeps streaming while the engine thread is here
@@ -38,6 +42,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::call_guard<py::gil_scoped_release>());
   m.def("prefill_attention_available", &prefill_attention_available,
         "whether this build has the dtype's path (float32: AVX-512, bfloat16: AVX512-BF16)");
+  m.def("rms_norm", &rms_norm, "weight * x / sqrt(mean(x^2) + eps) over the last dimension (CPU, AVX-512)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("silu_mul", &silu_mul, "SiLU(gate) * up (CPU, AVX-512)", py::call_guard<py::gil_scoped_release>());
+  m.def("rotary", &rotary, "x * cos + rotate_half(x) * sin, out laid out [batch, tokens, heads, dim] (CPU, AVX-512)",
+        py::call_guard<py::gil_scoped_release>());
+  m.def("elementwise_available", &elementwise_available, "whether this build has rms_norm and silu_mul");
   m.def("write_blocks", &write_blocks, "tier entries [layers, 2, ...] into pool blocks [2, layers, blocks, ...] (CPU)",
         py::call_guard<py::gil_scoped_release>());
 }

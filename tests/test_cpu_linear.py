@@ -81,6 +81,19 @@ def test_restored_after_an_error_and_wrapped_layers_are_left_alone():
     assert "forward" not in vars(model[0]) and vars(model[1])["forward"] is hooked
 
 
+def test_two_engines_on_one_model_can_leave_in_any_order():
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8))
+    first, second = Recorder(), Recorder()
+    engines = CpuLinears(model, first), CpuLinears(model, second)
+    outer = engines[0].active()
+    outer.__enter__()
+    with engines[1].active():
+        outer.__exit__(None, None, None)  # the first engine's forward ends while the second's runs
+        model(torch.randn(2, 8))
+    assert first.rows == [2] and not second.rows  # the layer kept the first swap until both ended
+    assert "forward" not in vars(model[0])
+
+
 def test_more_rows_take_onednn_and_match_torch():
     large = onednn_linear()
     if large is None:

@@ -25,6 +25,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from kvwise.engine.attribute_swaps import ABSENT, swaps
+
 MAX_ROWS = 64  # above this, a GEMM's packing of the weight pays for itself: oneDNN (or MKL) takes over
 # bfloat16: up to this many rows `small_linear_bf16` (AVX512-BF16) beats oneDNN, whose set-up costs
 # about 50 us a call (a microbenchmark of the embedded model's projections: 2-5x faster at 1-3 rows,
@@ -89,10 +91,12 @@ class CpuLinears:
 
     @contextlib.contextmanager
     def active(self):
-        for layer, forward in zip(self.layers, self.forwards):
-            layer.forward = forward
+        swapped = []
         try:
+            for layer, forward in zip(self.layers, self.forwards):
+                if swaps.enter(layer, "forward", forward, ABSENT):
+                    swapped.append(layer)
             yield
         finally:
-            for layer in self.layers:
-                del layer.forward
+            for layer in swapped:
+                swaps.leave(layer, "forward")

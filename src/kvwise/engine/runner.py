@@ -431,7 +431,7 @@ class ModelRunner:
         large = onednn_linear() if on_cpu and cpu_kernel else None
         small_bf16 = small_linear_bf16_kernel() if wide and cpu_kernel else None
         self.cpu_linears = CpuLinears(model, small, large, small_bf16) if small or large or small_bf16 else None
-        # RMSNorm and SiLU(gate) * up in one pass each (vLLM's CPU backend fuses them too)
+        # RMSNorm, SiLU(gate) * up and rotary embedding in one pass each (vLLM's CPU backend fuses them too)
         elementwise = elementwise_kernels() if wide and cpu_kernel else None
         self.fused_layers = (FusedLayers(model, *elementwise) or None) if elementwise else None
         self.profile: StepProfile | None = None  # set while a bench profiles the engine (`EngineCore.profiling`)

@@ -1,16 +1,18 @@
 // A transformer layer's elementwise steps, one pass each on CPU: RMSNorm, SiLU(gate) * up, and
 // rotary position embedding.
 //
-// transformers writes RMSNorm as five tensor operations (square, mean, add, rsqrt, two products)
-// and the gated MLP's activation as two, each a pass over memory and, at a decode step's few rows,
-// a dispatch that costs more than its arithmetic; rotary embedding takes six (two products, a
-// negation, a concatenation, a product and a sum) for each of queries and keys. Profiling a float32 batch of the embedded model,
-// these passes took about a third of the time its linear layers did. Here each step reads its
-// inputs once and writes its output once, in float32 registers, and rounds where transformers
-// rounds: a bfloat16 model's normalized row is rounded before the weight multiplies it, and SiLU's
-// output is rounded before the product, so results differ from transformers' by the order of a
-// sum (a unit in the last place), not by a rounding step. Built with AVX-512 (F and BW) only;
-// `elementwise_available()` says whether this build has it.
+// transformers writes RMSNorm as five tensor operations (square, mean, add, rsqrt, two products),
+// the gated MLP's activation as two, and rotary embedding as six for each of queries and keys (two
+// products, a negation, a concatenation, a product and a sum): each a pass over memory and, at a
+// decode step's few rows, a dispatch that costs more than its arithmetic. Profiling a float32
+// batch of the embedded model, these passes took about a third of the time its linear layers did.
+// Here each step reads its inputs once and writes its output once, in float32 registers, and
+// rounds where transformers rounds: a bfloat16 model's normalized row is rounded before the weight
+// multiplies it, SiLU's output before the product, each rotary product before the sum. So
+// bfloat16 results differ from transformers' by the order of a sum (a unit in the last place), not
+// by a rounding step. In float32 the compiler may fuse a product and a sum into one rounding,
+// again a unit in the last place. Built with AVX-512 (F and BW) only; `elementwise_available()`
+// says whether this build has it.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #if defined(__AVX512F__) && defined(__AVX512BW__)
@@ -65,9 +67,11 @@ inline void store(float* p, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(p,
 inline void store(at::BFloat16* p, __m512 v, __mmask16 mask) { _mm256_mask_storeu_epi16(p, mask, to_bfloat16_bits(v)); }
 
 // e^x to within a unit in the last place: x = n ln2 + r with |r| <= ln2 / 2, e^r by its Taylor
-// series to r^7 (the next term is under 6e-9 of the result), then scaled by 2^n
+// series to r^7 (the next term is under 6e-9 of the result), then scaled by 2^n. The clamp keeps
+// n finite; past e^88.7 the scaling overflows to inf and below e^-103.9 it reaches 0, as expf
+// does, so SiLU(-inf) is NaN and SiLU(-1e4) is -0, as in torch.
 inline __m512 exp_ps(__m512 x) {
-  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(88.7f)), _mm512_set1_ps(-87.3f));
+  x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(100.0f)), _mm512_set1_ps(-104.0f));
   const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);  // ln 2 in two parts: exact n * high
@@ -162,7 +166,8 @@ void rotate_rows(const T* x, const T* cos, const T* sin, T* out, int64_t batch, 
 // weight * (x / sqrt(mean(x^2) + eps)), the normalized x rounded to x's dtype first
 torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
   TORCH_CHECK(elementwise_available(), "rms_norm: this build has no AVX-512");
-  TORCH_CHECK(x.device().is_cpu() && x.is_contiguous() && weight.is_contiguous() && weight.dim() == 1,
+  TORCH_CHECK(x.device().is_cpu() && weight.device().is_cpu() && x.is_contiguous() && weight.is_contiguous() &&
+                  weight.dim() == 1,
               "rms_norm: x and weight must be contiguous CPU tensors, weight one row");
   TORCH_CHECK(x.scalar_type() == weight.scalar_type() &&
                   (x.scalar_type() == torch::kFloat || x.scalar_type() == torch::kBFloat16),
@@ -184,7 +189,8 @@ torch::Tensor rms_norm(torch::Tensor x, torch::Tensor weight, double eps) {
 // SiLU(gate) * up, elementwise, float32 or bfloat16 (SiLU's output rounded to the dtype first)
 torch::Tensor silu_mul(torch::Tensor gate, torch::Tensor up) {
   TORCH_CHECK(elementwise_available(), "silu_mul: this build has no AVX-512");
-  TORCH_CHECK(gate.device().is_cpu() && gate.is_contiguous() && up.is_contiguous() && gate.sizes() == up.sizes(),
+  TORCH_CHECK(gate.device().is_cpu() && up.device().is_cpu() && gate.is_contiguous() && up.is_contiguous() &&
+                  gate.sizes() == up.sizes(),
               "silu_mul: gate and up must be contiguous CPU tensors of one shape");
   TORCH_CHECK(gate.scalar_type() == up.scalar_type() &&
                   (gate.scalar_type() == torch::kFloat || gate.scalar_type() == torch::kBFloat16),
@@ -209,7 +215,8 @@ torch::Tensor rotary(torch::Tensor x, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 4 && x.stride(3) == 1 && x.size(3) % 2 == 0,
               "rotary: x must be a CPU tensor [batch, heads, tokens, dim] with contiguous rows of even width");
   const int64_t batch = x.size(0), heads = x.size(1), tokens = x.size(2), dim = x.size(3);
-  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.dim() == 3 && cos.sizes() == sin.sizes() &&
+  TORCH_CHECK(cos.device().is_cpu() && sin.device().is_cpu() && cos.is_contiguous() && sin.is_contiguous() &&
+                  cos.dim() == 3 && cos.sizes() == sin.sizes() &&
                   cos.size(0) == batch && cos.size(1) == tokens && cos.size(2) == dim,
               "rotary: cos and sin must be contiguous [batch, tokens, dim]");
   TORCH_CHECK(x.scalar_type() == cos.scalar_type() && x.scalar_type() == sin.scalar_type() &&

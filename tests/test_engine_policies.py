@@ -175,14 +175,19 @@ def test_every_policy_composes_with_every_quantizer(llama, policy, quant):
     while core.has_work:
         core.step()
         region = request.region
-        if region is not None and not request.done:
+        # while the prompt is read, a cap keeps its newest tokens (all 24) in the model's dtype, as
+        # the stored form's residual window; the ratio's compaction at its end quantizes them
+        if region is not None and not request.done and request.output:
             assert region.quant is not None and region.quant.name == core.kv._quantized_pages[settings.quant].name
             row_bytes = core.kv._head_pages.page_bytes // core.kv.page_tokens
             float_bytes = sum(map(sum, region.counts)) * row_bytes
             quantized.append(region.nbytes / float_bytes)
     assert len(request.output) == 12 and quantized
-    # under 0.5: KIVI pages are one 32-token group, a head capped at 24 tokens pads a third of one
-    assert max(quantized) < (0.6 if quant in ("int8", "fp8") else 0.5)
+    # under 0.5 once the prompt is compressed: KIVI pages are one 32-token group, a head capped at
+    # 24 tokens pads a third of one; then the tokens decoded stay in the model's dtype (the
+    # residual window) and rows evicted from a page leave it whole, yet it holds fewer bytes
+    assert quantized[0] < (0.6 if quant in ("int8", "fp8") else 0.5)
+    assert max(quantized) < 1.0
     assert core.kv.stats().head_page_bytes == 0 and core.kv.stats().used_blocks == 0
     assert core.kv._quantized_pages[settings.quant].used_bytes() == 0
 

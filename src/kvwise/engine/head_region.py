@@ -9,8 +9,10 @@ After an eviction a request's KV is three parts, read in this order by attention
 The region replaces the private tokens it was made from; their blocks went back to the pool.
 Its pages are device head pages (`HeadPages`, read in place through `cells`), or quantized pages
 (`QuantPages`, restored through `page_ids` and `rows`) when the request asked for `kv_quant`.
-Quantized, each head's first tokens are its sinks, held here in the model's dtype (`sink_keys`,
-`sink_values`: the mix's `StoredForm`), and `rows` index the sinks, then the restored pages.
+Quantized, the rows a head keeps in the model's dtype (its sinks, and while a capped request
+decodes, its residual window: the mix's `StoredForm`) are held here (`sink_keys`, `sink_values`),
+and `rows` index them, then the restored pages; a page may hold rows no longer kept (a cap evicted
+them, and the rows it keeps keep their codes), which no row index names.
 `valid` and `positions` describe the region as padded per-head rows, made once when it is
 written (the runner and the next eviction read them every step).
 """
@@ -34,7 +36,7 @@ class HeadRegion:
     quant: object = None  # QuantPages holding the pages, or None (device pages)
     page_ids: list[torch.Tensor] | None = None  # quantized: [layer] -> [P] its page ids, head after head
     rows: list[torch.Tensor] | None = None  # quantized: [layer] -> [kv_heads, width] rows of the restored pages
-    # quantized: [layer] -> [sum of the heads' sinks, head_dim] each head's sinks, head after head
+    # quantized: [layer] -> [rows, head_dim] each head's rows in the model's dtype, head after head
     sink_keys: list[torch.Tensor] | None = None
     sink_values: list[torch.Tensor] | None = None
     page_bytes: int = 0  # one page's keys and values as stored (device or quantized)

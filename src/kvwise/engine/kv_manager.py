@@ -51,6 +51,7 @@ from kvwise.engine.namespaces import default_namespace
 from kvwise.engine.quant_pages import QuantPages
 from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.request import Request
+from kvwise.engine.settled_region import settle_layer
 from kvwise.engine.swap import HostSwap
 from kvwise.kv.paged import PagedKVStorage
 from kvwise.kv.quantizer import Quantizer
@@ -376,7 +377,8 @@ class KVCacheManager:
         kept, start = [], 0
         for layer_counts, layer_positions in zip(counts, positions):
             rows = sum(layer_counts)
-            kept.append((layer_counts, keys[start : start + rows], values[start : start + rows], layer_positions, {}))
+            layer_keys, layer_values = keys[start : start + rows], values[start : start + rows]
+            kept.append((layer_counts, layer_keys, layer_values, layer_positions, {}, None))
             start += rows
         return self._write_region(request, kept)
 
@@ -658,10 +660,20 @@ class KVCacheManager:
             request.kept_score = fraction * (request.kept_score if request.kept_score is not None else 1.0)
         kept = [self._gather_kept(compaction, layer, mask) for layer, mask in enumerate(masks)]
         fresh = request.region is None
-        self._release_region(request)
-        self._release(request, request.blocks.cut(request.reused // self.block_size))
-        request.region = self._write_region(request, kept)
-        request.kv_stats = [stats for *_, stats in kept] if request.kv.scorer.stat_names else None
+        # quantized rows it keeps stay in their pages (never quantized twice): the previous region
+        # holds them until the new one does
+        previous = request.region if request.region is not None and request.region.quant is not None else None
+        if previous is not None:
+            previous.holders += 1
+        try:
+            self._release_region(request)
+            self._release(request, request.blocks.cut(request.reused // self.block_size))
+            frozen = compaction.ratio_tokens is not None
+            request.region = self._write_region(request, kept, previous, frozen)
+        finally:
+            if previous is not None:
+                self._let_go(previous)
+        request.kv_stats = [layer[4] for layer in kept] if request.kv.scorer.stat_names else None
         request.kv_offset = compaction.end - request.reused
         if compaction.ratio_tokens is not None:
             request.compressed_kv_bytes = self.request_bytes(request)
@@ -679,7 +691,9 @@ class KVCacheManager:
 
     def _gather_kept(self, compaction: Compaction, layer: int, keep: torch.Tensor):
         """(counts per head, keys and values [kept, head_dim] head by head, positions
-        [kv_heads, most kept] (-1 in padding), statistics) of one layer's kept tokens."""
+        [kv_heads, most kept] (-1 in padding), statistics, slots [kv_heads, most kept] (each kept
+        row's index in the private rows: the region's, then the tail's; -1 in padding)) of one
+        layer's kept tokens."""
         valid, positions = compaction.private.layer(layer)
         keys, values = compaction.private.read(self._storage, layer)  # [kv_heads, S, head_dim]
         keep = keep & valid
@@ -690,21 +704,32 @@ class KVCacheManager:
         index = order[..., None].expand(-1, -1, keys.shape[-1])
         keys, values = keys.gather(1, index)[rows], values.gather(1, index)[rows]
         stats = {name: stat.gather(1, order) * rows for name, stat in compaction.stats.get(layer, {}).items()}
-        return counts.tolist(), keys, values, positions.gather(1, order).masked_fill(~rows, -1), stats
+        positions = positions.gather(1, order).masked_fill(~rows, -1)
+        return counts.tolist(), keys, values, positions, stats, order.masked_fill(~rows, -1)
 
-    def _write_region(self, request: Request, kept) -> HeadRegion:
+    def _write_region(
+        self, request: Request, kept, previous: HeadRegion | None = None, frozen: bool = True
+    ) -> HeadRegion:
         """Pages for the kept tokens: quantized ones when the request asked for kv_quant (device
-        head pages when the quantized store is full), else device head pages."""
+        head pages when the quantized store is full), else device head pages. previous: the
+        quantized region the kept rows were gathered from, if any; frozen: the compaction ends a
+        context's compression (everything but the sinks is quantized), else it caps a decoding
+        request (the newest tokens stay in the model's dtype, as the stored form's residual)."""
         counts = [counts for counts, *_ in kept]
-        positions = [positions for _, _, _, positions, _ in kept]
+        positions = [positions for _, _, _, positions, *_ in kept]
         valid = [positions >= 0 for positions in positions]
         if request.kv.quant is not None:
-            region = self._write_quantized(request.kv.quantizer, kept, counts, valid, positions)
+            store = self.quant_pages(request.kv.quantizer)
+            if (previous is not None and previous.quant is store) or not frozen:
+                same_store = previous if previous is not None and previous.quant is store else None
+                region = self._write_settled(store, kept, same_store, frozen)
+            else:
+                region = self._write_quantized(request.kv.quantizer, kept, counts, valid, positions)
             if region is not None:
                 return region
         pages, cells = [], []
         all_keys, all_values = self._storage.cells()
-        for (layer_counts, keys, values, _, _), layer_valid in zip(kept, valid):
+        for (layer_counts, keys, values, *_), layer_valid in zip(kept, valid):
             per_page = self._head_pages.page_tokens
             layer_pages = [self._head_pages.allocate(-(-count // per_page)) for count in layer_counts]
             layer_cells, _ = self._head_pages.cells(layer_pages, layer_counts, keys.device)
@@ -720,7 +745,7 @@ class KVCacheManager:
         store, ids, sinks = self.quant_pages(quantizer), [], ([], [])
         sink_counts = self._sink_counts(counts, store.form)
         self._room_in(store, _pages_needed(counts, sink_counts, store.page_tokens))
-        for layer, (layer_counts, keys, values, _, _) in enumerate(kept):
+        for layer, (layer_counts, keys, values, *_) in enumerate(kept):
             sink_keys, page_keys, quantized = _split_sinks(keys, layer_counts, sink_counts[layer])
             sink_values, page_values, _ = _split_sinks(values, layer_counts, sink_counts[layer])
             pages_per_head = torch.tensor([-(-count // store.page_tokens) for count in quantized])
@@ -734,6 +759,53 @@ class KVCacheManager:
             sinks[0].append(sink_keys.clone())
             sinks[1].append(sink_values.clone())
         return self._quantized_region(store, ids, counts, valid, positions, sinks)
+
+    def _write_settled(self, store: QuantPages, kept, previous: HeadRegion | None, frozen: bool) -> HeadRegion | None:
+        """The kept rows in the stored form, quantized rows left as they are (as the library's
+        cache drops rows and never quantizes one twice): a row the previous region held in a page
+        keeps its codes there, and the page stays while it keeps any row; rows in the model's
+        dtype stay so while they are sinks or in the residual window; only rows that settle now
+        (`StoredForm.settling`, or all but the sinks when frozen) are quantized, into new pages.
+        A page keeps its size when it loses rows, so a capped request can hold more pages than
+        its tokens fill. None when the store is full."""
+        windows = self.geometry.windows if self.geometry is not None else ()
+        plans = [
+            settle_layer(layer, entry, previous, store.form, frozen, bool(windows and windows[layer]))
+            for layer, entry in enumerate(kept)
+        ]
+        if not self._room_in(store, sum(plan.new_pages for plan in plans)):
+            return None
+        ids: list[int] = []
+        for layer, plan in enumerate(plans):
+            stored = store.store(plan.settling_keys, plan.settling_values, layer=layer, heads=plan.settling_heads)
+            if stored is None:  # full: what this call stored goes back, and device pages take the region
+                store.release(ids)
+                return None
+            ids += stored
+        reused = [page for plan in plans for page in plan.old_pages]
+        store.ids.incref(reused)  # the previous region lets go of them after this
+        device, new_ids = self.device, iter(ids)
+        pages, page_ids, rows = [], [], []
+        for plan in plans:
+            layer_pages = [old + [next(new_ids) for _ in range(new)] for old, new in plan.head_pages]
+            pages.append(layer_pages)
+            flat = [page for head in layer_pages for page in head]
+            page_ids.append(torch.tensor(flat, dtype=torch.long, device=device))
+            rows.append(plan.rows)
+        counts = [entry[0] for entry in kept]
+        positions = [entry[3] for entry in kept]
+        return HeadRegion(
+            pages,
+            counts,
+            [layer >= 0 for layer in positions],
+            positions,
+            quant=store,
+            page_ids=page_ids,
+            rows=rows,
+            sink_keys=[plan.full_keys for plan in plans],
+            sink_values=[plan.full_values for plan in plans],
+            page_bytes=store.page_bytes,
+        )
 
     def _sink_counts(self, counts: list[list[int]], form) -> list[list[int]]:
         """[layer][head]: the rows a quantized region keeps in the model's dtype: the form's sinks,

@@ -6,9 +6,10 @@ in the device pool. The pages follow the mix's `StoredForm`, as the library's ca
 head's first `sink_tokens` kept tokens stay in the model's dtype (held by the region), and the
 rest is quantized in pages of one group each (`page_tokens`: a KIVI key group, or
 `PER_TOKEN_PAGE` tokens for per-token codecs). A ratio's compaction fills each head's last page
-(`fill_pages`); a cap's may leave it short, padded with copies of the head's own first row.
-Pages are restored to the model's dtype for attention; the bytes saved are real. Freed pages are
-zeroed.
+(`fill_pages`); a cap's may leave it short, padded with copies of the head's own first row. A
+cap's later compactions keep each quantized row in its page (never quantized twice) and quantize
+only rows leaving the residual window (`engine/settled_region.py`). Pages are restored to the
+model's dtype for attention; the bytes saved are real. Freed pages are zeroed.
 """
 
 from __future__ import annotations

@@ -1,0 +1,136 @@
+"""Where a quantized region's kept rows go when a compaction rewrites it (`KVCacheManager._write_settled`).
+
+The library's cache drops rows and never quantizes one twice (`KVStore`); the engine's region
+follows it. Per (layer, KV head), each kept row is one of:
+
+    in a page     the previous region held it quantized: it keeps its codes, in its page
+    full          in the model's dtype: a sink, or in the residual window
+    settling      in the model's dtype until now, leaving the residual window: quantized into a
+                  new page (all but the sinks when the compaction freezes a context)
+
+A page that keeps any row stays whole: KIVI keys share a scale per channel over the page's
+tokens, so the codes of the rows it keeps stay valid only there.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kvwise.engine.head_region import HeadRegion
+from kvwise.kv.stored_form import StoredForm, into_pages
+
+
+@dataclass
+class SettledLayer:
+    """One layer's plan.
+
+    head_pages: per head, (its previous pages that keep a row, in order; how many new pages)
+    old_pages: every head's previous pages that keep a row, head after head
+    settling_keys, settling_values: [new pages, page_tokens, head_dim] rows to quantize, head after head
+    settling_heads: [new pages] the KV head of each new page
+    full_keys, full_values: [rows, head_dim] the rows kept in the model's dtype, head after head
+    rows: [kv_heads, width] each kept row's index in [full rows, then the layer's pages restored
+          in `head_pages` order], in the kept order (0 in padding)
+    """
+
+    head_pages: list[tuple[list[int], int]]
+    old_pages: list[int]
+    settling_keys: torch.Tensor
+    settling_values: torch.Tensor
+    settling_heads: torch.Tensor
+    full_keys: torch.Tensor
+    full_values: torch.Tensor
+    rows: torch.Tensor
+
+    @property
+    def new_pages(self) -> int:
+        return sum(new for _, new in self.head_pages)
+
+
+@dataclass
+class _Head:
+    """One head's rows, as indices into its kept rows."""
+
+    full: torch.Tensor  # [n] staying in the model's dtype
+    settling: torch.Tensor  # [m] quantized now
+    in_page: torch.Tensor  # [count] bool: held in a previous page
+    page_row: torch.Tensor  # [count] the row in the previous region's restored pages (where in_page)
+
+
+def settle_layer(layer: int, kept, previous: HeadRegion | None, form: StoredForm, frozen: bool, windowed: bool):
+    """The plan for one layer. kept: `_gather_kept`'s tuple (counts, keys, values, positions, stats,
+    slots); previous: the quantized region those rows were gathered from, or None; windowed: a
+    sliding-window layer, whose rows all stay in the model's dtype."""
+    counts, keys, values, positions, _, slots = kept
+    per_page = form.page_tokens()
+    heads = [
+        _split_head(layer, head, slots[head, :count], positions[head, :count], previous, form, frozen, windowed)
+        for head, count in enumerate(counts)
+    ]
+    starts = [sum(counts[:head]) for head in range(len(counts))]
+    full_keys = torch.cat([keys[start + head.full] for start, head in zip(starts, heads)]) if heads else keys[:0]
+    full_values = torch.cat([values[start + head.full] for start, head in zip(starts, heads)]) if heads else values[:0]
+    settling = [len(head.settling) for head in heads]
+
+    rows = torch.zeros(len(counts), positions.shape[1], dtype=torch.long, device=keys.device)
+    head_pages, old_pages, next_slot, full_start = [], [], 0, 0
+    for index, (head, count) in enumerate(zip(heads, counts)):
+        old_ids = previous.page_ids[layer][head.page_row[head.in_page] // per_page].tolist() if previous else []
+        kept_pages = list(dict.fromkeys(old_ids))  # in their order, once each
+        slot_of = {page: next_slot + offset for offset, page in enumerate(kept_pages)}
+        new = -(-settling[index] // per_page)
+        page_index = torch.zeros(count, dtype=torch.long, device=keys.device)
+        if old_ids:
+            page_slots = torch.tensor([slot_of[page] for page in old_ids], dtype=torch.long, device=keys.device)
+            page_index[head.in_page] = page_slots * per_page + head.page_row[head.in_page] % per_page
+        first_new = next_slot + len(kept_pages)
+        page_index[head.settling] = first_new * per_page + torch.arange(settling[index], device=keys.device)
+        head_rows = len(full_keys) + page_index
+        head_rows[head.full] = full_start + torch.arange(len(head.full), device=keys.device)
+        rows[index, :count] = head_rows
+        head_pages.append((kept_pages, new))
+        old_pages += kept_pages
+        next_slot, full_start = first_new + new, full_start + len(head.full)
+
+    moving_keys = torch.cat([keys[start + head.settling] for start, head in zip(starts, heads)]) if heads else keys[:0]
+    moving_values = (
+        torch.cat([values[start + head.settling] for start, head in zip(starts, heads)]) if heads else values[:0]
+    )
+    pages_per_head = torch.tensor([-(-count // per_page) for count in settling], dtype=torch.long)
+    return SettledLayer(
+        head_pages,
+        old_pages,
+        into_pages(moving_keys, settling, per_page),
+        into_pages(moving_values, settling, per_page),
+        torch.repeat_interleave(torch.arange(len(counts)), pages_per_head),
+        full_keys,
+        full_values,
+        rows,
+    )
+
+
+def _split_head(layer, head, slots, positions, previous, form: StoredForm, frozen: bool, windowed: bool) -> _Head:
+    """slots, positions [count]: one head's kept rows, in the kept order (oldest first)."""
+    count, device = len(slots), slots.device
+    in_page = torch.zeros(count, dtype=torch.bool, device=device)
+    page_row = torch.zeros(count, dtype=torch.long, device=device)
+    if previous is not None:
+        width = previous.valid[layer].shape[1]
+        full_before = previous.sink_keys[layer].shape[0]
+        from_region = slots < width
+        region_row = previous.rows[layer][head, slots.clamp(max=max(width - 1, 0))] if width else slots
+        in_page = from_region & (region_row >= full_before)
+        page_row = (region_row - full_before).clamp(min=0)
+    full = (~in_page).nonzero().flatten()
+    if windowed:
+        return _Head(full, full[:0], in_page, page_row)
+    # sinks: the oldest rows in the model's dtype, older than every quantized row
+    quantized = positions[in_page]
+    older = int((positions[full] < quantized.min()).sum()) if len(quantized) else len(full)
+    sinks = min(form.sink_tokens, older)
+    residual = len(full) - sinks
+    settle = residual if frozen else int(form.settling(torch.tensor(residual)))
+    staying = torch.cat([full[:sinks], full[sinks + settle :]])
+    return _Head(staying, full[sinks : sinks + settle], in_page, page_row)

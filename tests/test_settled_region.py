@@ -1,0 +1,67 @@
+"""A capped request with a quantizer holds its region in the stored form across compactions: a
+quantized row keeps its codes until it is evicted, the newest tokens stay in the model's dtype
+(the residual window), and a page goes back once it keeps no row."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvwise.engine.config import CacheConfig
+from kvwise.engine.core import EngineCore
+from kvwise.engine.sampling import SamplingParams
+from kvwise.kv.quantizer import make_quantizer
+from kvwise.kv.stored_form import StoredForm
+from kvwise.policies.mix import Mix
+from tests.conftest import VOCAB
+
+pytestmark = pytest.mark.timeout(120)
+
+CAP, PROMPT, NEW_TOKENS = 100, 150, 120
+
+
+@pytest.mark.parametrize("quant", ["kivi4:residual_length=32:group_size=16", "int8"])
+def test_a_capped_request_never_quantizes_a_row_twice(llama, quant):
+    core = EngineCore(llama, None, CacheConfig(block_size=16, num_blocks=128, token_budget=64, prefix_caching=False))
+    prompt = [3 + index % (VOCAB - 3) for index in range(PROMPT)]
+    request = core.make_request(
+        prompt,
+        SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True),
+        kv=Mix("h2o", max_tokens=CAP, quant=quant),
+    )
+    core.add(request)
+    form = StoredForm.of(make_quantizer(quant))
+    restored: dict[tuple[int, int, int], torch.Tensor] = {}  # (layer, head, position) -> its restored key and value
+    compared = 0
+    while core.has_work:
+        core.step()
+        region = request.region
+        if region is None or request.done:
+            continue
+        assert region.quant is not None
+        assert region.quant.ids.stats().used == region.num_pages  # a page keeping no row went back
+        for layer in range(len(region.counts)):
+            keys, values = region.read(core.kv._storage, layer)
+            full = region.sink_keys[layer].shape[0]
+            for head, count in enumerate(region.counts[layer]):
+                rows, positions = region.rows[layer][head, :count], region.positions[layer][head, :count]
+                quantized = rows >= full
+                # the residual: rows in the model's dtype newer than every quantized row, fewer
+                # than the window and one group (more would have settled)
+                if bool(quantized.any()):
+                    newest_quantized = int(positions[quantized].max())
+                    residual = int((~quantized & (positions > newest_quantized)).sum())
+                    assert residual < form.residual_length + form.group_size
+                    sinks = int((~quantized & (positions < int(positions[quantized].min()))).sum())
+                    assert sinks <= form.sink_tokens
+                    assert residual + sinks == int((~quantized).sum())
+                for index in quantized.nonzero().flatten().tolist():
+                    key = (layer, head, int(positions[index]))
+                    row = torch.cat([keys[head, index], values[head, index]])
+                    if key in restored:
+                        compared += 1
+                        assert torch.equal(restored[key], row), f"{key} was quantized again"
+                    restored[key] = row
+    assert request.error is None and len(request.output) == NEW_TOKENS
+    assert compared > 1000  # rows were read back across many compactions
+    assert core.kv._quantized_pages[make_quantizer(quant).spec].used_bytes() == 0

@@ -9,7 +9,11 @@ follows it. Per (layer, KV head), each kept row is one of:
                   new page (all but the sinks when the compaction freezes a context)
 
 A page that keeps any row stays whole: KIVI keys share a scale per channel over the page's
-tokens, so the codes of the rows it keeps stay valid only there.
+tokens, so the codes of the rows it keeps stay valid only there. A cap evicts rows all over a
+head's pages, though, so once its pages hold fewer than `MIN_PAGE_OCCUPANCY` of the rows they
+could, the head's quantized rows are quantized again into dense pages: a cap bounds the bytes as
+well as the tokens. Per-token codes (int8, fp8, KIVI values) come back the same from a restored
+row, as its extremes set the scale again; KIVI keys take a new per-channel range.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ import torch
 
 from kvwise.engine.head_region import HeadRegion
 from kvwise.kv.stored_form import StoredForm, into_pages
+
+# below this share of rows kept in a head's pages, they are repacked (quantized again, densely):
+# the pages then hold at most twice the bytes of the rows they keep
+MIN_PAGE_OCCUPANCY = 0.5
 
 
 @dataclass
@@ -132,5 +140,12 @@ def _split_head(layer, head, slots, positions, previous, form: StoredForm, froze
     sinks = min(form.sink_tokens, older)
     residual = len(full) - sinks
     settle = residual if frozen else int(form.settling(torch.tensor(residual)))
-    staying = torch.cat([full[:sinks], full[sinks + settle :]])
-    return _Head(staying, full[sinks : sinks + settle], in_page, page_row)
+    staying, settling = torch.cat([full[:sinks], full[sinks + settle :]]), full[sinks : sinks + settle]
+    if bool(in_page.any()):
+        pages = previous.page_ids[layer][page_row[in_page] // form.page_tokens()].unique().numel()
+        if int(in_page.sum()) < MIN_PAGE_OCCUPANCY * pages * form.page_tokens():
+            # evictions left the pages sparse: their rows are quantized again, densely, with what
+            # settles now (a rare repack, not every compaction: a cap must bound the bytes too)
+            settling = torch.cat([in_page.nonzero().flatten(), settling]).sort().values
+            in_page = torch.zeros_like(in_page)
+    return _Head(staying, settling, in_page, page_row)

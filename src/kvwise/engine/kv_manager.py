@@ -662,14 +662,19 @@ class KVCacheManager:
         fresh = request.region is None
         # quantized rows it keeps stay in their pages (never quantized twice): the previous region
         # holds them until the new one does
-        previous = request.region if request.region is not None and request.region.quant is not None else None
+        previous = compaction.private.region  # the region the kept rows' slots index
+        if previous is not None and previous.quant is None:
+            previous = None
         if previous is not None:
             previous.holders += 1
         try:
             self._release_region(request)
             self._release(request, request.blocks.cut(request.reused // self.block_size))
             frozen = compaction.ratio_tokens is not None
-            request.region = self._write_region(request, kept, previous, frozen)
+            # a cap while the ratio's compression is still ahead: evict, then quantize what the
+            # ratio keeps, as the library does (nothing settles before it)
+            ratio_pending = not frozen and request.kv.ratio > 0 and compaction.end < request.compression_point
+            request.region = self._write_region(request, kept, previous, frozen, quantize=not ratio_pending)
         finally:
             if previous is not None:
                 self._let_go(previous)
@@ -708,17 +713,23 @@ class KVCacheManager:
         return counts.tolist(), keys, values, positions, stats, order.masked_fill(~rows, -1)
 
     def _write_region(
-        self, request: Request, kept, previous: HeadRegion | None = None, frozen: bool = True
+        self,
+        request: Request,
+        kept,
+        previous: HeadRegion | None = None,
+        frozen: bool = True,
+        quantize: bool = True,
     ) -> HeadRegion:
         """Pages for the kept tokens: quantized ones when the request asked for kv_quant (device
-        head pages when the quantized store is full), else device head pages. previous: the
-        quantized region the kept rows were gathered from, if any; frozen: the compaction ends a
-        context's compression (everything but the sinks is quantized), else it caps a decoding
-        request (the newest tokens stay in the model's dtype, as the stored form's residual)."""
+        head pages when the quantized store is full, or with quantize=False), else device head
+        pages. previous: the quantized region the kept rows were gathered from, if any; frozen: the
+        compaction ends a context's compression (everything but the sinks is quantized), else it
+        caps a decoding request (the newest tokens stay in the model's dtype, as the stored form's
+        residual)."""
         counts = [counts for counts, *_ in kept]
         positions = [positions for _, _, _, positions, *_ in kept]
         valid = [positions >= 0 for positions in positions]
-        if request.kv.quant is not None:
+        if request.kv.quant is not None and quantize:
             store = self.quant_pages(request.kv.quantizer)
             if (previous is not None and previous.quant is store) or not frozen:
                 same_store = previous if previous is not None and previous.quant is store else None
@@ -776,22 +787,26 @@ class KVCacheManager:
         if not self._room_in(store, sum(plan.new_pages for plan in plans)):
             return None
         ids: list[int] = []
-        for layer, plan in enumerate(plans):
-            stored = store.store(plan.settling_keys, plan.settling_values, layer=layer, heads=plan.settling_heads)
-            if stored is None:  # full: what this call stored goes back, and device pages take the region
-                store.release(ids)
-                return None
-            ids += stored
-        reused = [page for plan in plans for page in plan.old_pages]
-        store.ids.incref(reused)  # the previous region lets go of them after this
-        device, new_ids = self.device, iter(ids)
-        pages, page_ids, rows = [], [], []
-        for plan in plans:
-            layer_pages = [old + [next(new_ids) for _ in range(new)] for old, new in plan.head_pages]
-            pages.append(layer_pages)
-            flat = [page for head in layer_pages for page in head]
-            page_ids.append(torch.tensor(flat, dtype=torch.long, device=device))
-            rows.append(plan.rows)
+        try:
+            for layer, plan in enumerate(plans):
+                stored = store.store(plan.settling_keys, plan.settling_values, layer=layer, heads=plan.settling_heads)
+                if stored is None:  # full: what this call stored goes back, and device pages take the region
+                    store.release(ids)
+                    return None
+                ids += stored
+            device, new_ids = self.device, iter(ids)
+            pages, page_ids, rows = [], [], []
+            for plan in plans:
+                layer_pages = [old + [next(new_ids) for _ in range(new)] for old, new in plan.head_pages]
+                pages.append(layer_pages)
+                flat = [page for head in layer_pages for page in head]
+                page_ids.append(torch.tensor(flat, dtype=torch.long, device=device))
+                rows.append(plan.rows)
+        except BaseException:  # nothing stored here may outlive the failure unreleased (and unzeroed)
+            store.release(ids)
+            raise
+        # last, once nothing can fail: the previous region lets go of them after this
+        store.ids.incref([page for plan in plans for page in plan.old_pages])
         counts = [entry[0] for entry in kept]
         positions = [entry[3] for entry in kept]
         return HeadRegion(

@@ -12,8 +12,9 @@ A page that keeps any row stays whole: KIVI keys share a scale per channel over 
 tokens, so the codes of the rows it keeps stay valid only there. A cap evicts rows all over a
 head's pages, though, so once its pages hold fewer than `MIN_PAGE_OCCUPANCY` of the rows they
 could, the head's quantized rows are quantized again into dense pages: a cap bounds the bytes as
-well as the tokens. Per-token codes (int8, fp8, KIVI values) come back the same from a restored
-row, as its extremes set the scale again; KIVI keys take a new per-channel range.
+well as the tokens (a repack that would free no page is skipped). Per-token codes (int8, fp8,
+KIVI values) come back nearly the same from a restored row, as its extremes set the scale again
+(up to the scale's float16 rounding); KIVI keys take a new per-channel range.
 """
 
 from __future__ import annotations
@@ -25,8 +26,8 @@ import torch
 from kvwise.engine.head_region import HeadRegion
 from kvwise.kv.stored_form import StoredForm, into_pages
 
-# below this share of rows kept in a head's pages, they are repacked (quantized again, densely):
-# the pages then hold at most twice the bytes of the rows they keep
+# below this share of rows kept in a head's pages, they are repacked (quantized again, densely)
+# when that frees a page: the pages then hold about twice the bytes of their rows at most
 MIN_PAGE_OCCUPANCY = 0.5
 
 
@@ -61,13 +62,15 @@ class SettledLayer:
 class _Head:
     """One head's rows, as indices into its kept rows."""
 
-    full: torch.Tensor  # [n] staying in the model's dtype
+    staying: torch.Tensor  # [n] staying in the model's dtype
     settling: torch.Tensor  # [m] quantized now
     in_page: torch.Tensor  # [count] bool: held in a previous page
     page_row: torch.Tensor  # [count] the row in the previous region's restored pages (where in_page)
 
 
-def settle_layer(layer: int, kept, previous: HeadRegion | None, form: StoredForm, frozen: bool, windowed: bool):
+def settle_layer(
+    layer: int, kept: tuple, previous: HeadRegion | None, form: StoredForm, frozen: bool, windowed: bool
+) -> SettledLayer:
     """The plan for one layer. kept: `_gather_kept`'s tuple (counts, keys, values, positions, stats,
     slots); previous: the quantized region those rows were gathered from, or None; windowed: a
     sliding-window layer, whose rows all stay in the model's dtype."""
@@ -78,8 +81,10 @@ def settle_layer(layer: int, kept, previous: HeadRegion | None, form: StoredForm
         for head, count in enumerate(counts)
     ]
     starts = [sum(counts[:head]) for head in range(len(counts))]
-    full_keys = torch.cat([keys[start + head.full] for start, head in zip(starts, heads)]) if heads else keys[:0]
-    full_values = torch.cat([values[start + head.full] for start, head in zip(starts, heads)]) if heads else values[:0]
+    full_keys = torch.cat([keys[start + head.staying] for start, head in zip(starts, heads)]) if heads else keys[:0]
+    full_values = (
+        torch.cat([values[start + head.staying] for start, head in zip(starts, heads)]) if heads else values[:0]
+    )
     settling = [len(head.settling) for head in heads]
 
     rows = torch.zeros(len(counts), positions.shape[1], dtype=torch.long, device=keys.device)
@@ -96,11 +101,11 @@ def settle_layer(layer: int, kept, previous: HeadRegion | None, form: StoredForm
         first_new = next_slot + len(kept_pages)
         page_index[head.settling] = first_new * per_page + torch.arange(settling[index], device=keys.device)
         head_rows = len(full_keys) + page_index
-        head_rows[head.full] = full_start + torch.arange(len(head.full), device=keys.device)
+        head_rows[head.staying] = full_start + torch.arange(len(head.staying), device=keys.device)
         rows[index, :count] = head_rows
         head_pages.append((kept_pages, new))
         old_pages += kept_pages
-        next_slot, full_start = first_new + new, full_start + len(head.full)
+        next_slot, full_start = first_new + new, full_start + len(head.staying)
 
     moving_keys = torch.cat([keys[start + head.settling] for start, head in zip(starts, heads)]) if heads else keys[:0]
     moving_values = (
@@ -119,8 +124,18 @@ def settle_layer(layer: int, kept, previous: HeadRegion | None, form: StoredForm
     )
 
 
-def _split_head(layer, head, slots, positions, previous, form: StoredForm, frozen: bool, windowed: bool) -> _Head:
-    """slots, positions [count]: one head's kept rows, in the kept order (oldest first)."""
+def _split_head(
+    layer: int,
+    head: int,
+    slots: torch.Tensor,
+    positions: torch.Tensor,
+    previous: HeadRegion | None,
+    form: StoredForm,
+    frozen: bool,
+    windowed: bool,
+) -> _Head:
+    """slots, positions [count]: one head's kept rows, in the kept order (oldest first); `full`
+    below is every row not in a previous page, `staying` those of them that are not quantized now."""
     count, device = len(slots), slots.device
     in_page = torch.zeros(count, dtype=torch.bool, device=device)
     page_row = torch.zeros(count, dtype=torch.long, device=device)
@@ -133,7 +148,7 @@ def _split_head(layer, head, slots, positions, previous, form: StoredForm, froze
         page_row = (region_row - full_before).clamp(min=0)
     full = (~in_page).nonzero().flatten()
     if windowed:
-        return _Head(full, full[:0], in_page, page_row)
+        return _Head(full, full[:0], in_page, page_row)  # every row stays
     # sinks: the oldest rows in the model's dtype, older than every quantized row
     quantized = positions[in_page]
     older = int((positions[full] < quantized.min()).sum()) if len(quantized) else len(full)
@@ -142,8 +157,11 @@ def _split_head(layer, head, slots, positions, previous, form: StoredForm, froze
     settle = residual if frozen else int(form.settling(torch.tensor(residual)))
     staying, settling = torch.cat([full[:sinks], full[sinks + settle :]]), full[sinks : sinks + settle]
     if bool(in_page.any()):
-        pages = previous.page_ids[layer][page_row[in_page] // form.page_tokens()].unique().numel()
-        if int(in_page.sum()) < MIN_PAGE_OCCUPANCY * pages * form.page_tokens():
+        per_page, in_pages = form.page_tokens(), int(in_page.sum())
+        pages = previous.page_ids[layer][page_row[in_page] // per_page].unique().numel()
+        # only when repacking frees pages: a head with a few quantized rows would repack every time
+        frees = -(-(in_pages + len(settling)) // per_page) < pages + -(-len(settling) // per_page)
+        if in_pages < MIN_PAGE_OCCUPANCY * pages * per_page and frees:
             # evictions left the pages sparse: their rows are quantized again, densely, with what
             # settles now (a rare repack, not every compaction: a cap must bound the bytes too)
             settling = torch.cat([in_page.nonzero().flatten(), settling]).sort().values

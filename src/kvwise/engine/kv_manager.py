@@ -731,8 +731,8 @@ class KVCacheManager:
         valid = [positions >= 0 for positions in positions]
         if request.kv.quant is not None and quantize:
             store = self.quant_pages(request.kv.quantizer)
-            if (previous is not None and previous.quant is store) or not frozen:
-                same_store = previous if previous is not None and previous.quant is store else None
+            same_store = previous if previous is not None and previous.quant is store else None
+            if same_store is not None or not frozen:
                 region = self._write_settled(store, kept, same_store, frozen)
             else:
                 region = self._write_quantized(request.kv.quantizer, kept, counts, valid, positions)

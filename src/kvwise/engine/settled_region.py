@@ -66,6 +66,7 @@ class _Head:
     settling: torch.Tensor  # [m] quantized now
     in_page: torch.Tensor  # [count] bool: held in a previous page
     page_row: torch.Tensor  # [count] the row in the previous region's restored pages (where in_page)
+    old_pages: list[int]  # [in_page.sum()] the previous page of each row in_page, in order
 
 
 def settle_layer(
@@ -81,16 +82,14 @@ def settle_layer(
         for head, count in enumerate(counts)
     ]
     starts = [sum(counts[:head]) for head in range(len(counts))]
-    full_keys = torch.cat([keys[start + head.staying] for start, head in zip(starts, heads)]) if heads else keys[:0]
-    full_values = (
-        torch.cat([values[start + head.staying] for start, head in zip(starts, heads)]) if heads else values[:0]
-    )
+    staying = [head.staying for head in heads]
+    full_keys, full_values = _pick(keys, starts, staying), _pick(values, starts, staying)
     settling = [len(head.settling) for head in heads]
 
     rows = torch.zeros(len(counts), positions.shape[1], dtype=torch.long, device=keys.device)
     head_pages, old_pages, next_slot, full_start = [], [], 0, 0
     for index, (head, count) in enumerate(zip(heads, counts)):
-        old_ids = previous.page_ids[layer][head.page_row[head.in_page] // per_page].tolist() if previous else []
+        old_ids = head.old_pages
         kept_pages = list(dict.fromkeys(old_ids))  # in their order, once each
         slot_of = {page: next_slot + offset for offset, page in enumerate(kept_pages)}
         new = -(-settling[index] // per_page)
@@ -107,10 +106,8 @@ def settle_layer(
         old_pages += kept_pages
         next_slot, full_start = first_new + new, full_start + len(head.staying)
 
-    moving_keys = torch.cat([keys[start + head.settling] for start, head in zip(starts, heads)]) if heads else keys[:0]
-    moving_values = (
-        torch.cat([values[start + head.settling] for start, head in zip(starts, heads)]) if heads else values[:0]
-    )
+    moving = [head.settling for head in heads]
+    moving_keys, moving_values = _pick(keys, starts, moving), _pick(values, starts, moving)
     pages_per_head = torch.tensor([-(-count // per_page) for count in settling], dtype=torch.long)
     return SettledLayer(
         head_pages,
@@ -122,6 +119,12 @@ def settle_layer(
         full_values,
         rows,
     )
+
+
+def _pick(rows: torch.Tensor, starts: list[int], picks: list[torch.Tensor]) -> torch.Tensor:
+    """rows [sum(counts), head_dim], head after head (head h from starts[h]) -> the rows picks[h]
+    [n_h] of each head, head after head: [sum(n_h), head_dim]."""
+    return torch.cat([rows[start + pick] for start, pick in zip(starts, picks)]) if picks else rows[:0]
 
 
 def _split_head(
@@ -146,9 +149,11 @@ def _split_head(
         region_row = previous.rows[layer][head, slots.clamp(max=max(width - 1, 0))] if width else slots
         in_page = from_region & (region_row >= full_before)
         page_row = (region_row - full_before).clamp(min=0)
+    # [in_page.sum()] the previous page of each row held in one
+    old_pages = previous.page_ids[layer][page_row[in_page] // form.page_tokens()] if previous is not None else None
     full = (~in_page).nonzero().flatten()
     if windowed:
-        return _Head(full, full[:0], in_page, page_row)  # every row stays
+        return _Head(full, full[:0], in_page, page_row, [])  # every row stays
     # sinks: the oldest rows in the model's dtype, older than every quantized row
     quantized = positions[in_page]
     older = int((positions[full] < quantized.min()).sum()) if len(quantized) else len(full)
@@ -158,12 +163,12 @@ def _split_head(
     staying, settling = torch.cat([full[:sinks], full[sinks + settle :]]), full[sinks : sinks + settle]
     if bool(in_page.any()):
         per_page, in_pages = form.page_tokens(), int(in_page.sum())
-        pages = previous.page_ids[layer][page_row[in_page] // per_page].unique().numel()
+        pages = old_pages.unique().numel()
         # only when repacking frees pages: a head with a few quantized rows would repack every time
         frees = -(-(in_pages + len(settling)) // per_page) < pages + -(-len(settling) // per_page)
         if in_pages < MIN_PAGE_OCCUPANCY * pages * per_page and frees:
             # evictions left the pages sparse: their rows are quantized again, densely, with what
             # settles now (a rare repack, not every compaction: a cap must bound the bytes too)
             settling = torch.cat([in_page.nonzero().flatten(), settling]).sort().values
-            in_page = torch.zeros_like(in_page)
-    return _Head(staying, settling, in_page, page_row)
+            return _Head(staying, settling, torch.zeros_like(in_page), page_row, [])
+    return _Head(staying, settling, in_page, page_row, old_pages.tolist() if bool(in_page.any()) else [])

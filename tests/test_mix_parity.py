@@ -96,7 +96,7 @@ def _engine(model, ids, upto, policy, quant):
             for layer in range(len(region.counts)):
                 keys, values = region.read(core.kv._storage, layer)
                 valid = region.valid[layer]
-                sinks = region.sink_keys[layer].nbytes + region.sink_values[layer].nbytes
+                sinks = sum(rows.nbytes for rows in region.full_rows(core.kv._storage, layer))
                 seen["bytes"][layer] = len(region.page_ids[layer]) * region.page_bytes + sinks
                 seen["layers"][layer] = [
                     (region.positions[layer][head][valid[head]], keys[head][valid[head]], values[head][valid[head]])

@@ -11,11 +11,16 @@ import torch
 from kvwise.engine import settled_region
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
+from kvwise.engine.kv_settings import resolve
+from kvwise.engine.quant_pages import QuantPages
 from kvwise.engine.sampling import SamplingParams
+from kvwise.kv.lowrank_basis import user_basis_path
 from kvwise.kv.quantizer import make_quantizer
 from kvwise.kv.stored_form import StoredForm
 from kvwise.policies.mix import Mix
+from kvwise.util.fingerprint import weights_fingerprint
 from tests.conftest import VOCAB
+from tests.test_lowrank import random_basis
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -57,9 +62,13 @@ def test_a_capped_request_keeps_the_stored_form_across_compactions(llama, monkey
             continue
         assert region.quant is not None
         assert region.quant.ids.stats().used == region.num_pages  # a page keeping no row went back
+        # the full rows live in the pool's head pages, which its blocks count
+        assert region.full_cells is not None and region.sink_keys is None
+        assert core.kv._head_pages.used_pages == len(region.full_pages)
+        assert core.kv.stats().head_page_bytes == region.sink_bytes
         for layer in range(len(region.counts)):
             keys, values = region.read(core.kv._storage, layer)
-            full = region.sink_keys[layer].shape[0]
+            full = region.full_count(layer)
             for head, count in enumerate(region.counts[layer]):
                 rows, positions = region.rows[layer][head, :count], region.positions[layer][head, :count]
                 quantized = rows >= full
@@ -103,3 +112,107 @@ def test_a_capped_request_keeps_the_stored_form_across_compactions(llama, monkey
     else:
         assert repacks > 0
     assert core.kv._quantized_pages[make_quantizer(quant).spec].used_bytes() == 0
+    assert core.kv._head_pages.used_pages == 0 and core.kv.stats().used_blocks == 0
+
+
+def _run(core, requests):
+    for request in requests:
+        core.add(request)
+    while core.has_work:
+        core.step()
+    for request in requests:
+        assert request.error is None and len(request.output) == request.params.max_tokens
+
+
+def _nothing_held(core):
+    stats = core.kv.stats()
+    assert stats.used_blocks == 0 and stats.head_page_bytes == 0
+    assert all(store.used_bytes() == 0 for store in core.kv._quantized_pages.values())
+
+
+def _capped(core, prompt, mix, **extra):
+    sampling = SamplingParams(max_tokens=NEW_TOKENS // 2, temperature=0, ignore_eos=True)
+    return core.make_request(prompt, sampling, kv=resolve(mix), **extra)
+
+
+def test_sliding_layers_keep_every_row_in_the_model_dtype_under_a_cap(gemma2):
+    """Gemma 2 alternates sliding (window 8) and full layers: a sliding layer's rows are never
+    quantized (as transformers' sliding layers in the library), and they too live in the pool."""
+    core = EngineCore(gemma2, None, CacheConfig(block_size=16, num_blocks=128, token_budget=64, prefix_caching=False))
+    request = _capped(core, [3 + index % (VOCAB - 3) for index in range(PROMPT)], f"snapkv@max={CAP}+{KIVI}")
+    windows, checked = core.kv.geometry.windows, 0
+    core.add(request)
+    while core.has_work:
+        core.step()
+        region = request.region
+        if region is None or request.done or region.full_cells is None:
+            continue
+        for layer, window in enumerate(windows):
+            if window is not None:
+                assert region.full_count(layer) == sum(region.counts[layer]) and not region.pages[layer][0]
+                checked += 1
+        assert core.kv._head_pages.used_pages == len(region.full_pages)
+    assert checked > 0 and request.error is None and len(request.output) == NEW_TOKENS // 2
+    _nothing_held(core)
+
+
+def test_the_low_rank_codec_under_a_cap(llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVWISE_HOME", str(tmp_path))
+    random_basis(llama).save(user_basis_path(weights_fingerprint(llama)))
+    core = EngineCore(llama, None, CacheConfig(block_size=16, num_blocks=128, token_budget=64, prefix_caching=False))
+    request = _capped(core, [3 + index % (VOCAB - 3) for index in range(PROMPT)], f"h2o@max={CAP}+lowrank:r=8+{KIVI}")
+    regions = []
+    core.add(request)
+    while core.has_work:
+        core.step()
+        if request.region is not None and not request.done:
+            regions.append((request.region.quant is not None, request.region.num_pages))
+    assert request.error is None and len(request.output) == NEW_TOKENS // 2
+    assert regions and all(quantized for quantized, _ in regions) and regions[-1][1] > 0
+    _nothing_held(core)
+
+
+def test_a_full_quantized_store_falls_back_to_device_pages_and_back(llama):
+    """A quantized store with room for one region: a second capped request's compactions find it
+    full and keep their region in device head pages; every page goes back at the end."""
+    core = EngineCore(llama, None, CacheConfig(block_size=16, num_blocks=256, token_budget=64, prefix_caching=False))
+    quantizer = resolve(f"h2o@max={CAP}+{KIVI}").quantizer
+    layers, heads = len(core.kv._storage.keys), core.kv._head_pages.kv_heads
+    store = QuantPages(core.kv.attach_quantizer(quantizer), core.kv._storage, (CAP + 16) * layers * heads)
+    core.kv._quantized_pages[quantizer.spec] = store
+    prompts = [[3 + (index * seed) % (VOCAB - 3) for index in range(PROMPT)] for seed in (1, 7)]
+    requests = [_capped(core, prompt, f"h2o@max={CAP}+{KIVI}") for prompt in prompts]
+    kinds = set()
+    for request in requests:
+        core.add(request)
+    while core.has_work:
+        core.step()
+        kinds |= {request.region.quant is not None for request in requests if request.region is not None}
+    assert kinds == {True, False}  # one region quantized, another in device pages
+    for request in requests:
+        assert request.error is None and len(request.output) == NEW_TOKENS // 2
+    _nothing_held(core)
+
+
+def test_a_compressed_document_under_a_cap_stays_as_the_cache_holds_it(llama):
+    """A document compressed once with a quantizer is shared read-only: a later request on it whose
+    cap evicts makes its own region, and the cache's pages and sinks stay bit for bit."""
+    # the whole document in one chunk: its ratio evicts before the cap does, and it is published
+    core = EngineCore(llama, None, CacheConfig(block_size=16, num_blocks=256, token_budget=256))
+    document = [3 + (index * 5) % (VOCAB - 3) for index in range(PROMPT)]
+    mix = f"snapkv@0.5,max={CAP}+{KIVI}"
+    first = _capped(core, document + [5, 6, 7], mix, compress_upto=PROMPT)
+    _run(core, [first])
+    (entry,) = core.kv.compressed_entries()
+    before = [entry.region.read(core.kv._storage, layer) for layer in range(len(entry.region.counts))]
+    second = _capped(core, document + [8, 9], mix, compress_upto=PROMPT)
+    core.add(second)
+    shared = False
+    while core.has_work:
+        core.step()
+        shared |= second.region is entry.region
+    assert shared and second.error is None and len(second.output) == NEW_TOKENS // 2
+    assert second.region is None and entry.region.holders == 1
+    for layer, (keys, values) in enumerate(before):
+        again = entry.region.read(core.kv._storage, layer)
+        assert torch.equal(keys, again[0]) and torch.equal(values, again[1])

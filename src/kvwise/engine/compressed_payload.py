@@ -43,8 +43,9 @@ def write_entry(region: HeadRegion, tokens, reused: int, stats, storage) -> torc
     else:
         ids = [page for layer in region.pages for head in layer for page in head]
         state.update({f"quant.{name}": table for name, table in region.quant.export(ids).items()})
-        state["sinks.keys"] = torch.cat(region.sink_keys).cpu()
-        state["sinks.values"] = torch.cat(region.sink_values).cpu()
+        full = [region.full_rows(storage, layer) for layer in range(len(region.counts))]
+        state["sinks.keys"] = torch.cat([keys for keys, _ in full]).cpu()
+        state["sinks.values"] = torch.cat([values for _, values in full]).cpu()
     for name in stats[0] if stats else ():
         state[f"stats.{name}"] = torch.stack([_pad(layer[name].cpu(), width, 0.0) for layer in stats])
     blob = safetensors.torch.save({name: tensor.contiguous() for name, tensor in state.items()}, {"format": FORMAT})

@@ -125,6 +125,21 @@ class HeadPages:
             cells[head, :count] = self._cells(page, offsets[:count] % self.page_tokens)
         return cells, offsets[None, :] < torch.tensor(counts, device=device)[:, None]
 
+    def write(self, counts: list[int], keys: torch.Tensor, values: torch.Tensor):
+        """New pages holding one layer's rows: keys, values [sum(counts), head_dim], counts[head]
+        of them per head, head after head. Returns (pages [head] -> ids, cells, valid) as `cells`."""
+        pages = [self.allocate(-(-count // self.page_tokens)) for count in counts]
+        cells, valid = self.cells(pages, counts, keys.device)
+        all_keys, all_values = self.storage.cells()
+        all_keys[cells[valid]] = keys
+        all_values[cells[valid]] = values
+        return pages, cells, valid
+
+    def blocks_short(self, pages: int) -> int:
+        """Device blocks to take from the pool for `pages` more pages than are free."""
+        per_block = self.num_layers * self.kv_heads * self.parts
+        return -(-max(0, pages - len(self.free)) // per_block)
+
     def _cells(self, page: torch.Tensor, offset: torch.Tensor) -> torch.Tensor:
         """The cell of token `offset` of page `page` (broadcast together)."""
         strip, part = page // self.parts, page % self.parts

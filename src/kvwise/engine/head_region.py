@@ -9,9 +9,11 @@ After an eviction a request's KV is three parts, read in this order by attention
 The region replaces the private tokens it was made from; their blocks went back to the pool.
 Its pages are device head pages (`HeadPages`, read in place through `cells`), or quantized pages
 (`QuantPages`, restored through `page_ids` and `rows`) when the request asked for `kv_quant`.
-Quantized, the rows a head keeps in the model's dtype (its sinks, and while a capped request
-decodes, its residual window: the mix's `StoredForm`) are held here (`sink_keys`, `sink_values`),
-and `rows` index them, then the restored pages; a page may hold rows no longer kept (a cap evicted
+Quantized, the rows a head keeps in the model's dtype (the mix's `StoredForm`) are its sinks, held
+here (`sink_keys`, `sink_values`: one row or so per head), or, while a capped request decodes,
+its sinks and residual window, up to a window and a group of rows per head: those live in device
+head pages of the pool (`full_pages`, read through `full_cells`), so the pool's blocks count them
+and admission sees them. `rows` index the full rows, then the restored pages; a page may hold rows no longer kept (a cap evicted
 them, and the rows it keeps keep their codes), which no row index names.
 `valid` and `positions` describe the region as padded per-head rows, made once when it is
 written (the runner and the next eviction read them every step).
@@ -39,6 +41,11 @@ class HeadRegion:
     # quantized: [layer] -> [rows, head_dim] each head's rows in the model's dtype, head after head
     sink_keys: list[torch.Tensor] | None = None
     sink_values: list[torch.Tensor] | None = None
+    # or quantized and capped: [layer] -> [rows] the full rows' storage cells, head after head, in
+    # the device head pages full_pages
+    full_cells: list[torch.Tensor] | None = None
+    full_pages: list[int] = field(default_factory=list)
+    full_page_bytes: int = 0  # one device head page's keys and values
     page_bytes: int = 0  # one page's keys and values as stored (device or quantized)
     holders: int = 1  # requests reading it, plus the compressed-prefix cache when published there
     _stacked: tuple | None = field(default=None, repr=False)
@@ -49,9 +56,22 @@ class HeadRegion:
             keys, values = storage.cells()
             return keys[self.cells[layer]], values[self.cells[layer]]
         keys, values = self.quant.read(self.page_ids[layer])  # [P, page_tokens, head_dim]
-        keys = torch.cat([self.sink_keys[layer], keys.flatten(0, 1)])
-        values = torch.cat([self.sink_values[layer], values.flatten(0, 1)])
+        full_keys, full_values = self.full_rows(storage, layer)
+        keys = torch.cat([full_keys, keys.flatten(0, 1)])
+        values = torch.cat([full_values, values.flatten(0, 1)])
         return keys[self.rows[layer]], values[self.rows[layer]]
+
+    def full_rows(self, storage: PagedKVStorage, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Quantized: keys, values [rows, head_dim] of the rows `layer` keeps in the model's dtype,
+        head after head."""
+        if self.full_cells is None:
+            return self.sink_keys[layer], self.sink_values[layer]
+        keys, values = storage.cells()
+        return keys[self.full_cells[layer]], values[self.full_cells[layer]]
+
+    def full_count(self, layer: int) -> int:
+        """Quantized: how many rows `layer` keeps in the model's dtype, every head together."""
+        return (self.sink_keys if self.full_cells is None else self.full_cells)[layer].shape[0]
 
     def stacked(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Device pages only: cells [layers, kv_heads, width] (padded to the widest layer) and
@@ -68,9 +88,11 @@ class HeadRegion:
 
     @property
     def sink_bytes(self) -> int:
+        """The full rows' bytes, as held (whole pages when they live in the pool)."""
+        pages = len(self.full_pages) * self.full_page_bytes
         if self.sink_keys is None:
-            return 0
-        return sum(keys.nbytes + values.nbytes for keys, values in zip(self.sink_keys, self.sink_values))
+            return pages
+        return pages + sum(keys.nbytes + values.nbytes for keys, values in zip(self.sink_keys, self.sink_values))
 
     @property
     def nbytes(self) -> int:

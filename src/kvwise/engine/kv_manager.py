@@ -369,9 +369,7 @@ class KVCacheManager:
             return self._quantized_region(store, ids, counts, valid, positions, sinks)
         per_page = self._head_pages.page_tokens
         pages = sum(-(-count // per_page) for layer in counts for count in layer)
-        free_pages = len(self._head_pages.free)
-        per_block = len(self._storage.keys) * self._head_pages.kv_heads * self._head_pages.parts
-        if not self._reclaim(-(-max(0, pages - free_pages) // per_block)):
+        if not self._reclaim(self._head_pages.blocks_short(pages)):
             return None
         keys, values = state["keys"].to(device), state["values"].to(device)
         kept, start = [], 0
@@ -389,6 +387,7 @@ class KVCacheManager:
             store = region.quant if region.quant is not None else self._head_pages
             for heads in region.pages:
                 store.release([page for pages in heads for page in pages])
+            self._release_full_rows(region)
             region.zero_sinks()
 
     def _reclaim(self, blocks: int) -> bool:
@@ -739,13 +738,8 @@ class KVCacheManager:
             if region is not None:
                 return region
         pages, cells = [], []
-        all_keys, all_values = self._storage.cells()
-        for (layer_counts, keys, values, *_), layer_valid in zip(kept, valid):
-            per_page = self._head_pages.page_tokens
-            layer_pages = [self._head_pages.allocate(-(-count // per_page)) for count in layer_counts]
-            layer_cells, _ = self._head_pages.cells(layer_pages, layer_counts, keys.device)
-            all_keys[layer_cells[layer_valid]] = keys
-            all_values[layer_cells[layer_valid]] = values
+        for layer_counts, keys, values, *_ in kept:
+            layer_pages, layer_cells, _ = self._head_pages.write(layer_counts, keys, values)
             pages.append(layer_pages)
             cells.append(layer_cells)
         return HeadRegion(pages, counts, valid, positions, cells=cells, page_bytes=self._head_pages.page_bytes)
@@ -786,7 +780,11 @@ class KVCacheManager:
         ]
         if not self._room_in(store, sum(plan.new_pages for plan in plans)):
             return None
+        if not frozen:
+            self._make_room_for_full_rows(plans, previous)
         ids: list[int] = []
+        full_pages: list[int] = []
+        full_cells: list[torch.Tensor] = []
         try:
             for layer, plan in enumerate(plans):
                 stored = store.store(plan.settling_keys, plan.settling_values, layer=layer, heads=plan.settling_heads)
@@ -802,8 +800,13 @@ class KVCacheManager:
                 flat = [page for head in layer_pages for page in head]
                 page_ids.append(torch.tensor(flat, dtype=torch.long, device=device))
                 rows.append(plan.rows)
+                if not frozen:  # the full rows in the pool's head pages, where its blocks count them
+                    layer_full, cells, valid = self._head_pages.write(plan.full_counts, plan.full_keys, plan.full_values)
+                    full_pages += [page for head in layer_full for page in head]
+                    full_cells.append(cells[valid])
         except BaseException:  # nothing stored here may outlive the failure unreleased (and unzeroed)
             store.release(ids)
+            self._head_pages.release(full_pages)
             raise
         # last, once nothing can fail: the previous region lets go of them after this
         store.ids.incref([page for plan in plans for page in plan.old_pages])
@@ -817,10 +820,31 @@ class KVCacheManager:
             quant=store,
             page_ids=page_ids,
             rows=rows,
-            sink_keys=[plan.full_keys for plan in plans],
-            sink_values=[plan.full_values for plan in plans],
+            sink_keys=[plan.full_keys for plan in plans] if frozen else None,
+            sink_values=[plan.full_values for plan in plans] if frozen else None,
+            full_cells=None if frozen else full_cells,
+            full_pages=full_pages,
+            full_page_bytes=self._head_pages.page_bytes,
             page_bytes=store.page_bytes,
         )
+
+    def _make_room_for_full_rows(self, plans, previous: HeadRegion | None) -> None:
+        """Free device blocks for the head pages of the plans' full rows. The previous region's
+        full rows go first when only this compaction still holds it (the kept rows are copies
+        already); then it needs no more pages than the tail it released gave back."""
+        if previous is not None and previous.holders == 1:
+            self._release_full_rows(previous)
+        per_page = self._head_pages.page_tokens
+        wanted = sum(-(-count // per_page) for plan in plans for count in plan.full_counts)
+        if not self._reclaim(self._head_pages.blocks_short(wanted)):
+            raise RuntimeError(
+                f"no room in the pool for {wanted} head pages of the rows a capped request keeps in full "
+                f"precision ({self._pool.num_free} blocks free)"
+            )
+
+    def _release_full_rows(self, region: HeadRegion) -> None:
+        self._head_pages.release(region.full_pages)
+        region.full_pages = []
 
     def _sink_counts(self, counts: list[list[int]], form) -> list[list[int]]:
         """[layer][head]: the rows a quantized region keeps in the model's dtype: the form's sinks,

@@ -40,6 +40,7 @@ class SettledLayer:
     settling_keys, settling_values: [new pages, page_tokens, head_dim] rows to quantize, head after head
     settling_heads: [new pages] the KV head of each new page
     full_keys, full_values: [rows, head_dim] the rows kept in the model's dtype, head after head
+    full_counts: [kv_heads] how many of them each head keeps
     rows: [kv_heads, width] each kept row's index in [full rows, then the layer's pages restored
           in `head_pages` order], in the kept order (0 in padding)
     """
@@ -51,6 +52,7 @@ class SettledLayer:
     settling_heads: torch.Tensor
     full_keys: torch.Tensor
     full_values: torch.Tensor
+    full_counts: list[int]
     rows: torch.Tensor
 
     @property
@@ -117,6 +119,7 @@ def settle_layer(
         torch.repeat_interleave(torch.arange(len(counts)), pages_per_head),
         full_keys,
         full_values,
+        [len(head.staying) for head in heads],
         rows,
     )
 
@@ -144,7 +147,7 @@ def _split_head(
     page_row = torch.zeros(count, dtype=torch.long, device=device)
     if previous is not None:
         width = previous.valid[layer].shape[1]
-        full_before = previous.sink_keys[layer].shape[0]
+        full_before = previous.full_count(layer)
         from_region = slots < width
         region_row = previous.rows[layer][head, slots.clamp(max=max(width - 1, 0))] if width else slots
         in_page = from_region & (region_row >= full_before)

@@ -13,8 +13,9 @@ Quantized, the rows a head keeps in the model's dtype (the mix's `StoredForm`) a
 here (`sink_keys`, `sink_values`: one row or so per head), or, while a capped request decodes,
 its sinks and residual window, up to a window and a group of rows per head: those live in device
 head pages of the pool (`full_pages`, read through `full_cells`), so the pool's blocks count them
-and admission sees them. `rows` index the full rows, then the restored pages; a page may hold rows no longer kept (a cap evicted
-them, and the rows it keeps keep their codes), which no row index names.
+and admission sees them. `rows` index the full rows, then the restored pages; a page may hold
+rows no longer kept (a cap evicted them, and the rows it keeps keep their codes), which no row
+index names.
 `valid` and `positions` describe the region as padded per-head rows, made once when it is
 written (the runner and the next eviction read them every step).
 """

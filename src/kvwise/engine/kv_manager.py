@@ -801,7 +801,8 @@ class KVCacheManager:
                 page_ids.append(torch.tensor(flat, dtype=torch.long, device=device))
                 rows.append(plan.rows)
                 if not frozen:  # the full rows in the pool's head pages, where its blocks count them
-                    layer_full, cells, valid = self._head_pages.write(plan.full_counts, plan.full_keys, plan.full_values)
+                    written = self._head_pages.write(plan.full_counts, plan.full_keys, plan.full_values)
+                    layer_full, cells, valid = written
                     full_pages += [page for head in layer_full for page in head]
                     full_cells.append(cells[valid])
         except BaseException:  # nothing stored here may outlive the failure unreleased (and unzeroed)

@@ -11,6 +11,7 @@ import torch
 from kvwise.engine import settled_region
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
+from kvwise.engine.head_region import HeadRegion
 from kvwise.engine.kv_settings import resolve
 from kvwise.engine.quant_pages import QuantPages
 from kvwise.engine.sampling import SamplingParams
@@ -204,7 +205,10 @@ def test_a_compressed_document_under_a_cap_stays_as_the_cache_holds_it(llama):
     first = _capped(core, document + [5, 6, 7], mix, compress_upto=PROMPT)
     _run(core, [first])
     (entry,) = core.kv.compressed_entries()
-    before = [entry.region.read(core.kv._storage, layer) for layer in range(len(entry.region.counts))]
+    before = [
+        tuple(part.clone() for part in entry.region.read(core.kv._storage, layer))
+        for layer in range(len(entry.region.counts))
+    ]
     second = _capped(core, document + [8, 9], mix, compress_upto=PROMPT)
     core.add(second)
     shared = False
@@ -214,5 +218,35 @@ def test_a_compressed_document_under_a_cap_stays_as_the_cache_holds_it(llama):
     assert shared and second.error is None and len(second.output) == NEW_TOKENS // 2
     assert second.region is None and entry.region.holders == 1
     for layer, (keys, values) in enumerate(before):
+        entry.region._last_read = None  # restored again from its pages, not the last layer's copy
         again = entry.region.read(core.kv._storage, layer)
         assert torch.equal(keys, again[0]) and torch.equal(values, again[1])
+
+
+def test_a_step_restores_each_layer_of_a_quantized_region_once(llama, monkeypatch):
+    """H2O reads a capped region twice a layer (its attention, then its observation): the pages are
+    restored once, and the restored copy is zeroed with the region."""
+    core = EngineCore(llama, None, CacheConfig(block_size=16, num_blocks=128, token_budget=64, prefix_caching=False))
+    request = _capped(core, [3 + index % (VOCAB - 3) for index in range(PROMPT)], f"h2o@max={CAP}+{KIVI}")
+    core.add(request)
+    while request.region is None or not request.output:
+        core.step()
+    reads = []
+    original = QuantPages.read
+    monkeypatch.setattr(QuantPages, "read", lambda store, ids: reads.append(1) or original(store, ids))
+    region = request.region
+    core.step()
+    assert request.region is region and len(reads) == len(region.counts)
+    zeroed = []
+    release = HeadRegion.zero_sinks
+
+    def zero_sinks(region):
+        restored = region._last_read[1:] if region._last_read is not None else ()
+        release(region)
+        zeroed.append([not part.any() for part in restored])
+
+    monkeypatch.setattr(HeadRegion, "zero_sinks", zero_sinks)
+    while core.has_work:
+        core.step()
+    # each region let go held a restored layer, zeroed with its pages
+    assert request.error is None and zeroed and all(parts == [True, True] for parts in zeroed)

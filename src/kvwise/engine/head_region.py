@@ -50,17 +50,24 @@ class HeadRegion:
     page_bytes: int = 0  # one page's keys and values as stored (device or quantized)
     holders: int = 1  # requests reading it, plus the compressed-prefix cache when published there
     _stacked: tuple | None = field(default=None, repr=False)
+    # quantized: (layer, keys, values) as `read` last restored them. A step reads a layer's region
+    # twice (its attention, then a policy observing it) and pages never change under a region, so
+    # the second read is the first's; one layer only, so the region stays quantized in memory.
+    _last_read: tuple | None = field(default=None, repr=False)
 
     def read(self, storage: PagedKVStorage, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """keys, values [kv_heads, width, head_dim] of `layer` (zeros or copies in padding)."""
         if self.quant is None:
             keys, values = storage.cells()
             return keys[self.cells[layer]], values[self.cells[layer]]
+        if self._last_read is not None and self._last_read[0] == layer:
+            return self._last_read[1], self._last_read[2]
         keys, values = self.quant.read(self.page_ids[layer])  # [P, page_tokens, head_dim]
         full_keys, full_values = self.full_rows(storage, layer)
-        keys = torch.cat([full_keys, keys.flatten(0, 1)])
-        values = torch.cat([full_values, values.flatten(0, 1)])
-        return keys[self.rows[layer]], values[self.rows[layer]]
+        keys = torch.cat([full_keys, keys.flatten(0, 1)])[self.rows[layer]]
+        values = torch.cat([full_values, values.flatten(0, 1)])[self.rows[layer]]
+        self._last_read = (layer, keys, values)
+        return keys, values
 
     def full_rows(self, storage: PagedKVStorage, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantized: keys, values [rows, head_dim] of the rows `layer` keeps in the model's dtype,
@@ -100,9 +107,12 @@ class HeadRegion:
         return self.num_pages * self.page_bytes + self.sink_bytes
 
     def zero_sinks(self) -> None:
-        """Overwrite the sinks, so nothing a request held outlives it (pages are zeroed by their store)."""
-        for tensor in (*(self.sink_keys or ()), *(self.sink_values or ())):
+        """Overwrite the sinks and the last restored layer, so nothing a request held outlives it
+        (pages are zeroed by their store)."""
+        restored = self._last_read[1:] if self._last_read is not None else ()
+        for tensor in (*(self.sink_keys or ()), *(self.sink_values or ()), *restored):
             tensor.zero_()
+        self._last_read = None
 
     def longest(self) -> int:
         """The most tokens any head of any layer holds."""

@@ -11,6 +11,7 @@ import torch
 from kvwise.engine import settled_region
 from kvwise.engine.config import CacheConfig
 from kvwise.engine.core import EngineCore
+from kvwise.engine.head_pages import HeadPages
 from kvwise.engine.head_region import HeadRegion
 from kvwise.engine.kv_settings import resolve
 from kvwise.engine.quant_pages import QuantPages
@@ -237,6 +238,7 @@ def test_a_step_restores_each_layer_of_a_quantized_region_once(llama, monkeypatc
     region = request.region
     core.step()
     assert request.region is region and len(reads) == len(region.counts)
+    assert region._last_read is None  # dropped after the forward: between steps it stays quantized
     zeroed = []
     release = HeadRegion.zero_sinks
 
@@ -248,5 +250,58 @@ def test_a_step_restores_each_layer_of_a_quantized_region_once(llama, monkeypatc
     monkeypatch.setattr(HeadRegion, "zero_sinks", zero_sinks)
     while core.has_work:
         core.step()
-    # each region let go held a restored layer, zeroed with its pages
-    assert request.error is None and zeroed and all(parts == [True, True] for parts in zeroed)
+    # a region let go while it held a restored layer (a compaction reads the one it replaces)
+    # zeroes that copy with its pages
+    assert request.error is None and [True, True] in zeroed and all(all(parts) for parts in zeroed)
+
+
+def test_new_full_rows_never_sit_beside_the_previous_ones(llama, monkeypatch):
+    """A compaction lets the previous region's full rows go before it writes the new ones (the kept
+    rows are copies by then): a capped request never holds two windows of pages in the pool."""
+    core = EngineCore(llama, None, CacheConfig(block_size=16, num_blocks=128, token_budget=64, prefix_caching=False))
+    request = _capped(core, [3 + index % (VOCAB - 3) for index in range(PROMPT)], f"h2o@max={CAP}+{KIVI}")
+    in_use = []
+    write = HeadPages.write
+
+    def counted(pages, counts, keys, values):
+        in_use.append(pages.used_pages)
+        return write(pages, counts, keys, values)
+
+    monkeypatch.setattr(HeadPages, "write", counted)
+    _run(core, [request])
+    # each compaction writes its layers in turn: the first layer's write finds no page in use
+    layers = len(llama.model.layers)
+    firsts = in_use[::layers]
+    assert len(firsts) > 3 and all(used == 0 for used in firsts), in_use
+    _nothing_held(core)
+
+
+@pytest.mark.parametrize("failing", ["store", "cells"])
+def test_a_compaction_that_fails_gives_back_what_it_took(llama, monkeypatch, failing):
+    """A fault while the region is written (the quantized store, or the full rows' pages) fails that
+    request alone; the pages and blocks it had taken go back, zeroed, and another request goes on."""
+    core = EngineCore(llama, None, CacheConfig(block_size=16, num_blocks=128, token_budget=64, prefix_caching=False))
+    victim = _capped(core, [3 + index % (VOCAB - 3) for index in range(PROMPT)], f"h2o@max={CAP}+{KIVI}")
+    other = core.make_request([5, 6, 7, 8], SamplingParams(max_tokens=NEW_TOKENS, temperature=0, ignore_eos=True))
+    calls = {"count": 0}
+
+    def fault(original):
+        def failing_call(*args, **kwargs):
+            calls["count"] += 1
+            if calls["count"] == 4:  # a later compaction, partway through its layers
+                raise RuntimeError("injected")
+            return original(*args, **kwargs)
+
+        return failing_call
+
+    if failing == "store":
+        monkeypatch.setattr(QuantPages, "store", fault(QuantPages.store))
+    else:
+        monkeypatch.setattr(HeadPages, "cells", fault(HeadPages.cells))
+    core.add(victim)
+    core.add(other)
+    while core.has_work:
+        core.step()
+    assert victim.error is not None and calls["count"] >= 4
+    assert other.error is None and len(other.output) == NEW_TOKENS
+    _nothing_held(core)

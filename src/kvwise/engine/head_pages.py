@@ -73,6 +73,10 @@ class HeadPages:
     def allocate(self, count: int) -> list[int]:
         """`count` pages; a block comes from the pool whenever the free pages run out (the caller
         makes sure the pool has them: a compaction frees at least the blocks it needs)."""
+        short = self.blocks_short(count)
+        if not self.pool.can_allocate(short):  # before taking any, so a refusal leaves nothing behind
+            free = self.pool.num_free
+            raise ValueError(f"cannot allocate {count} head pages: {short} more blocks needed, {free} free")
         while len(self.free) < count:
             block = self.pool.allocate(1)[0]
             self.pages_in_use[block] = 0
@@ -128,11 +132,17 @@ class HeadPages:
     def write(self, counts: list[int], keys: torch.Tensor, values: torch.Tensor):
         """New pages holding one layer's rows: keys, values [sum(counts), head_dim], counts[head]
         of them per head, head after head. Returns (pages [head] -> ids, cells, valid) as `cells`."""
-        pages = [self.allocate(-(-count // self.page_tokens)) for count in counts]
-        cells, valid = self.cells(pages, counts, keys.device)
-        all_keys, all_values = self.storage.cells()
-        all_keys[cells[valid]] = keys
-        all_values[cells[valid]] = values
+        pages = []
+        try:
+            for count in counts:
+                pages.append(self.allocate(-(-count // self.page_tokens)))
+            cells, valid = self.cells(pages, counts, keys.device)
+            all_keys, all_values = self.storage.cells()
+            all_keys[cells[valid]] = keys
+            all_values[cells[valid]] = values
+        except BaseException:  # what this call took goes back (zeroed)
+            self.release([page for head in pages for page in head])
+            raise
         return pages, cells, valid
 
     def blocks_short(self, pages: int) -> int:

@@ -52,7 +52,8 @@ class HeadRegion:
     _stacked: tuple | None = field(default=None, repr=False)
     # quantized: (layer, keys, values) as `read` last restored them. A step reads a layer's region
     # twice (its attention, then a policy observing it) and pages never change under a region, so
-    # the second read is the first's; one layer only, so the region stays quantized in memory.
+    # the second read is the first's; one layer only, dropped after the step's forward
+    # (`forget_read`), so the region stays quantized in memory.
     _last_read: tuple | None = field(default=None, repr=False)
 
     def read(self, storage: PagedKVStorage, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,6 +69,10 @@ class HeadRegion:
         values = torch.cat([full_values, values.flatten(0, 1)])[self.rows[layer]]
         self._last_read = (layer, keys, values)
         return keys, values
+
+    def forget_read(self) -> None:
+        """Drop the last restored layer (after a step: between steps the region is held quantized)."""
+        self._last_read = None
 
     def full_rows(self, storage: PagedKVStorage, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Quantized: keys, values [rows, head_dim] of the rows `layer` keeps in the model's dtype,

@@ -668,6 +668,10 @@ class KVCacheManager:
             previous.holders += 1
         try:
             self._release_region(request)
+            if previous is not None and previous.holders == 1:
+                # only this compaction holds it: its full rows go now (the kept rows are copies),
+                # so the new region's take no more pages than these and the tail give back
+                self._release_full_rows(previous)
             self._release(request, request.blocks.cut(request.reused // self.block_size))
             frozen = compaction.ratio_tokens is not None
             # a cap while the ratio's compression is still ahead: evict, then quantize what the
@@ -737,6 +741,9 @@ class KVCacheManager:
                 region = self._write_quantized(request.kv.quantizer, kept, counts, valid, positions)
             if region is not None:
                 return region
+        per_page = self._head_pages.page_tokens
+        needed = sum(-(-count // per_page) for layer_counts in counts for count in layer_counts)
+        self._make_room_for_pages(needed, "a compacted region")
         pages, cells = [], []
         for layer_counts, keys, values, *_ in kept:
             layer_pages, layer_cells, _ = self._head_pages.write(layer_counts, keys, values)
@@ -781,7 +788,7 @@ class KVCacheManager:
         if not self._room_in(store, sum(plan.new_pages for plan in plans)):
             return None
         if not frozen:
-            self._make_room_for_full_rows(plans, previous)
+            self._make_room_for_full_rows(plans)
         ids: list[int] = []
         full_pages: list[int] = []
         full_cells: list[torch.Tensor] = []
@@ -829,18 +836,18 @@ class KVCacheManager:
             page_bytes=store.page_bytes,
         )
 
-    def _make_room_for_full_rows(self, plans, previous: HeadRegion | None) -> None:
-        """Free device blocks for the head pages of the plans' full rows. The previous region's
-        full rows go first when only this compaction still holds it (the kept rows are copies
-        already); then it needs no more pages than the tail it released gave back."""
-        if previous is not None and previous.holders == 1:
-            self._release_full_rows(previous)
+    def _make_room_for_full_rows(self, plans) -> None:
+        """Free device blocks for the head pages of the plans' full rows."""
         per_page = self._head_pages.page_tokens
         wanted = sum(-(-count // per_page) for plan in plans for count in plan.full_counts)
-        if not self._reclaim(self._head_pages.blocks_short(wanted)):
+        self._make_room_for_pages(wanted, "the rows a capped request keeps in full precision")
+
+    def _make_room_for_pages(self, pages: int, what: str) -> None:
+        """Free device blocks for `pages` more head pages (unlocked cached prefixes and documents
+        go first); RuntimeError when the pool has no room for them."""
+        if not self._reclaim(self._head_pages.blocks_short(pages)):
             raise RuntimeError(
-                f"no room in the pool for {wanted} head pages of the rows a capped request keeps in full "
-                f"precision ({self._pool.num_free} blocks free)"
+                f"no room in the pool for {pages} head pages of {what} ({self._pool.num_free} blocks free)"
             )
 
     def _release_full_rows(self, region: HeadRegion) -> None:

@@ -496,6 +496,9 @@ class ModelRunner:
         with attached_step(self.attention_modules, layout), linears, fused, timed:
             kept = torch.tensor(keep, device=device)
             logits = self.model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=kept).logits[0]
+        for chunk in chunks:
+            if chunk.request.region is not None:
+                chunk.request.region.forget_read()
         last = [spans[id(chunk)][0] + spans[id(chunk)][1] - 1 for chunk in chunks]
         prompt_logits = {
             id(chunk): logits[spans[id(chunk)][0] : sum(spans[id(chunk)])] for chunk in chunks if _scores_prompt(chunk)

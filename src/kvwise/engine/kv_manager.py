@@ -51,7 +51,7 @@ from kvwise.engine.namespaces import default_namespace
 from kvwise.engine.quant_pages import QuantPages
 from kvwise.engine.quant_pool import QuantPool
 from kvwise.engine.request import Request
-from kvwise.engine.settled_region import settle_layer
+from kvwise.engine.settled_region import KeptRows, settle_layer
 from kvwise.engine.swap import HostSwap
 from kvwise.kv.paged import PagedKVStorage
 from kvwise.kv.quantizer import Quantizer
@@ -376,7 +376,7 @@ class KVCacheManager:
         for layer_counts, layer_positions in zip(counts, positions):
             rows = sum(layer_counts)
             layer_keys, layer_values = keys[start : start + rows], values[start : start + rows]
-            kept.append((layer_counts, layer_keys, layer_values, layer_positions, {}, None))
+            kept.append(KeptRows(layer_counts, layer_keys, layer_values, layer_positions, {}, None))
             start += rows
         return self._write_region(request, kept)
 
@@ -681,7 +681,7 @@ class KVCacheManager:
         finally:
             if previous is not None:
                 self._let_go(previous)
-        request.kv_stats = [layer[4] for layer in kept] if request.kv.scorer.stat_names else None
+        request.kv_stats = [layer.stats for layer in kept] if request.kv.scorer.stat_names else None
         request.kv_offset = compaction.end - request.reused
         if compaction.ratio_tokens is not None:
             request.compressed_kv_bytes = self.request_bytes(request)
@@ -697,11 +697,8 @@ class KVCacheManager:
         finally:
             self._pool.release(reconstruction.borrowed)
 
-    def _gather_kept(self, compaction: Compaction, layer: int, keep: torch.Tensor):
-        """(counts per head, keys and values [kept, head_dim] head by head, positions
-        [kv_heads, most kept] (-1 in padding), statistics, slots [kv_heads, most kept] (each kept
-        row's index in the private rows: the region's, then the tail's; -1 in padding)) of one
-        layer's kept tokens."""
+    def _gather_kept(self, compaction: Compaction, layer: int, keep: torch.Tensor) -> KeptRows:
+        """One layer's kept tokens (slots index the private rows: the region's, then the tail's)."""
         valid, positions = compaction.private.layer(layer)
         keys, values = compaction.private.read(self._storage, layer)  # [kv_heads, S, head_dim]
         keep = keep & valid
@@ -713,12 +710,12 @@ class KVCacheManager:
         keys, values = keys.gather(1, index)[rows], values.gather(1, index)[rows]
         stats = {name: stat.gather(1, order) * rows for name, stat in compaction.stats.get(layer, {}).items()}
         positions = positions.gather(1, order).masked_fill(~rows, -1)
-        return counts.tolist(), keys, values, positions, stats, order.masked_fill(~rows, -1)
+        return KeptRows(counts.tolist(), keys, values, positions, stats, order.masked_fill(~rows, -1))
 
     def _write_region(
         self,
         request: Request,
-        kept,
+        kept: list[KeptRows],
         previous: HeadRegion | None = None,
         frozen: bool = True,
         quantize: bool = True,
@@ -729,8 +726,8 @@ class KVCacheManager:
         compaction ends a context's compression (everything but the sinks is quantized), else it
         caps a decoding request (the newest tokens stay in the model's dtype, as the stored form's
         residual)."""
-        counts = [counts for counts, *_ in kept]
-        positions = [positions for _, _, _, positions, *_ in kept]
+        counts = [layer.counts for layer in kept]
+        positions = [layer.positions for layer in kept]
         valid = [positions >= 0 for positions in positions]
         if request.kv.quant is not None and quantize:
             store = self.quant_pages(request.kv.quantizer)
@@ -751,7 +748,9 @@ class KVCacheManager:
             cells.append(layer_cells)
         return HeadRegion(pages, counts, valid, positions, cells=cells, page_bytes=self._head_pages.page_bytes)
 
-    def _write_quantized(self, quantizer: Quantizer, kept, counts, valid, positions) -> HeadRegion | None:
+    def _write_quantized(
+        self, quantizer: Quantizer, kept: list[KeptRows], counts, valid, positions
+    ) -> HeadRegion | None:
         """The kept rows in the mix's stored form: each head's sinks in the model's dtype, the
         rest in quantized pages. None when the store is full."""
         store, ids, sinks = self.quant_pages(quantizer), [], ([], [])
@@ -772,7 +771,9 @@ class KVCacheManager:
             sinks[1].append(sink_values.clone())
         return self._quantized_region(store, ids, counts, valid, positions, sinks)
 
-    def _write_settled(self, store: QuantPages, kept, previous: HeadRegion | None, frozen: bool) -> HeadRegion | None:
+    def _write_settled(
+        self, store: QuantPages, kept: list[KeptRows], previous: HeadRegion | None, frozen: bool
+    ) -> HeadRegion | None:
         """The kept rows in the stored form, quantized rows left as they are (as the library's
         cache drops rows and never quantizes one twice): a row the previous region held in a page
         keeps its codes there, and the page stays while it keeps any row; rows in the model's
@@ -818,8 +819,8 @@ class KVCacheManager:
             raise
         # last, once nothing can fail: the previous region lets go of them after this
         store.ids.incref([page for plan in plans for page in plan.old_pages])
-        counts = [entry[0] for entry in kept]
-        positions = [entry[3] for entry in kept]
+        counts = [layer.counts for layer in kept]
+        positions = [layer.positions for layer in kept]
         return HeadRegion(
             pages,
             counts,

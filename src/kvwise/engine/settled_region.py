@@ -20,6 +20,7 @@ KIVI values) come back nearly the same from a restored row, as its extremes set 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,17 @@ from kvwise.kv.stored_form import StoredForm, into_pages
 # below this share of rows kept in a head's pages, they are repacked (quantized again, densely)
 # when that frees a page: the pages then hold about twice the bytes of their rows at most
 MIN_PAGE_OCCUPANCY = 0.5
+
+
+class KeptRows(NamedTuple):
+    """One layer's rows a compaction keeps (`KVCacheManager._gather_kept`)."""
+
+    counts: list[int]  # [kv_heads] rows each head keeps
+    keys: torch.Tensor  # [sum(counts), head_dim], head after head, each in its kept order
+    values: torch.Tensor  # [sum(counts), head_dim]
+    positions: torch.Tensor  # [kv_heads, most kept] original positions (-1 in padding)
+    stats: dict  # the policy's running statistics, name -> [kv_heads, most kept]
+    slots: torch.Tensor | None  # [kv_heads, most kept] each row's index in the private rows (-1 in padding)
 
 
 @dataclass
@@ -72,11 +84,10 @@ class _Head:
 
 
 def settle_layer(
-    layer: int, kept: tuple, previous: HeadRegion | None, form: StoredForm, frozen: bool, windowed: bool
+    layer: int, kept: KeptRows, previous: HeadRegion | None, form: StoredForm, frozen: bool, windowed: bool
 ) -> SettledLayer:
-    """The plan for one layer. kept: `_gather_kept`'s tuple (counts, keys, values, positions, stats,
-    slots); previous: the quantized region those rows were gathered from, or None; windowed: a
-    sliding-window layer, whose rows all stay in the model's dtype."""
+    """The plan for one layer. previous: the quantized region the kept rows were gathered from, or
+    None; windowed: a sliding-window layer, whose rows all stay in the model's dtype."""
     counts, keys, values, positions, _, slots = kept
     per_page = form.page_tokens()
     heads = [

@@ -23,6 +23,14 @@ work is not pressure: compressing then would cost quality for nothing.
 3. spill: cold prefix-cache blocks leave the device (to the tiers, when there are any).
 Swapping out and preempting stay the scheduler's last resort; the controller counts them.
 
+With the machine's costs (`Profile.costs`, measured by `kvwise calibrate`; `costs.CostModel`),
+every choice and rung action above is first weighed: the output tokens it gains by letting
+held-back requests run now, against those its seconds cost (a quantization, a context pass, a
+slower decode step). One that does not pay is not taken, and a step where nothing pays is counted
+as `hold: no action pays`: on a machine where memory does not hold throughput back, `auto` leaves
+the KV as it is. The model corrects itself online on the engine's decode-only steps. Without
+measured costs the controller acts on quality and bytes alone.
+
 Only requests that asked for `auto` are touched: an explicit policy always wins.
 """
 
@@ -32,6 +40,7 @@ import logging
 import weakref
 from dataclasses import dataclass, field
 
+from kvwise.adaptive.costs import CostModel, Holder, Verdict
 from kvwise.adaptive.decisions import Choice, Decisions
 from kvwise.adaptive.profile import MixProfile, Profile, check_class
 from kvwise.adaptive.request_class import check_hint, classify
@@ -72,8 +81,12 @@ class AdaptiveController:
 
     RUNGS = ("quantize", "compress", "spill")
 
-    def __init__(self, profile: Profile, config: AdaptiveConfig | None = None):
+    def __init__(self, profile: Profile, config: AdaptiveConfig | None = None, costs: CostModel | None = None):
+        """costs: what actions cost on this machine (default: the profile's measured costs, if any)."""
         self.profile, self.config = profile, config or AdaptiveConfig()
+        if costs is None and profile.costs is not None:
+            costs = CostModel(profile.costs)
+        self.costs = costs
         self.decisions = Decisions()
         self.level = 0  # rungs in force (0: none)
         self._steps_since_move = 0
@@ -84,6 +97,7 @@ class AdaptiveController:
         self._steps = 0
         self._promised = 0  # blocks the requests admitted since the last step will take at full size
         self._last_held_back = None  # the step memory last held a request back
+        self._unpaid = 0  # rung actions weighed and not taken in this step
 
     @staticmethod
     def check_hint(hint: str) -> None:
@@ -131,7 +145,28 @@ class AdaptiveController:
         if request.compress_upto is not None and not parse_mix(entry.mix).evicts:
             # a document compressed once needs an evicting mix; else keep it whole
             entry = self.profile.get("full")
+        if entry.mix != "full" and not self._admission_pays(request, entry, view).pays:
+            return Choice("full", klass, NO_GAIN, 1.0)
         return Choice(entry.mix, klass, "pressure", entry.quality[klass])
+
+    def _admission_pays(self, request: Request, entry: MixProfile, view: ControllerView) -> Verdict:
+        """Whether running `request` with `entry` now, rather than in full once memory frees, gains
+        more tokens than the mix costs (always, without measured costs)."""
+        if self.costs is None:
+            return Verdict(1.0, 0.0)
+        token_bytes = view.block_bytes / view.block_size
+        whole = len(request.prompt) + request.params.max_tokens
+        held = _holders(view)
+        free = (view.free_blocks - self._promised) * view.block_bytes
+        now = held + _admit(view.held_back_tokens, free, token_bytes)
+        needs = entry.bytes_fraction * whole * token_bytes
+        if needs > free:
+            return Verdict(0.0, 0.0)  # it waits either way
+        joining = Holder(_form(entry.mix), round(entry.bytes_fraction * len(request.prompt) * token_bytes))
+        after = held + [joining] + _admit(view.held_back_tokens, free - needs, token_bytes)
+        one_time = entry.extra_seconds_per_token * len(request.prompt)
+        horizon = _horizon(view, request.params.max_tokens)
+        return self.costs.verdict(now, after[: len(held)], after[len(held) :], one_time, horizon)
 
     def _allowed(self, entry: MixProfile) -> bool:
         quant = entry.quant
@@ -145,6 +180,7 @@ class AdaptiveController:
         scheduler's swaps and preemptions, move on the ladder, and answer with this step's actions
         (at most one per rung in force)."""
         self._promised = 0  # admissions of the last step hold their blocks by now
+        self._observe(view)
         self._read_outcomes(view)
         self._settle_pending(view)
         self._count_scheduler_actions(view)
@@ -164,11 +200,44 @@ class AdaptiveController:
         if self.level == 0 or usage < self.config.low_watermark:
             return []
         reason, actions = ("held back" if recently else "holding"), []
+        self._unpaid = 0
         for act in self._rung_actions[: self.level]:
             action = act(view, reason, {a.request for a in actions if isinstance(a, AssignMix)})
             if action is not None:
                 actions.append(action)
+        if self._unpaid and not any(isinstance(a, AssignMix) for a in actions):
+            self.decisions.record("hold", NO_GAIN, detail=f"{self._unpaid} candidate actions weighed")
         return actions
+
+    def _observe(self, view: ControllerView) -> None:
+        """Correct the cost model with the last step, when it decoded the requests running now."""
+        step = view.last_step
+        if self.costs is None or step is None or not step.decode_only:
+            return
+        decoding = _holders(view)
+        if decoding and len(decoding) == step.decodes:
+            self.costs.observe(decoding, step.seconds)
+
+    def _running_pays(self, view: ControllerView, running: RunningRequest, entry: MixProfile, kept: float) -> bool:
+        """Whether moving `running` to `entry`'s form, keeping `kept` of its bytes, gains more
+        tokens (held-back requests admitted with the bytes it frees) than it costs; counts a no."""
+        if self.costs is None:
+            return True
+        token_bytes = view.block_bytes / view.block_size
+        held = _holders(view)
+        free = view.free_blocks * view.block_bytes
+        freed = running.held_bytes * (1 - kept)
+        now = held + _admit(view.held_back_tokens, free, token_bytes)
+        after = [
+            Holder(_form(entry.mix), round(r.held_bytes * kept)) if r.request is running.request else holder
+            for r, holder in zip(_decoding(view), held)
+        ]
+        admitted = _admit(view.held_back_tokens, free + freed, token_bytes)
+        one_time = entry.extra_seconds_per_token * running.tokens
+        if self.costs.verdict(now, after, admitted, one_time, _horizon(view, running.remaining_tokens)).pays:
+            return True
+        self._unpaid += 1
+        return False
 
     def pressure(self, view: ControllerView) -> tuple[float, bool]:
         """(the pool's usage in [0, 1], whether memory held a request back since the last step:
@@ -200,7 +269,7 @@ class AdaptiveController:
                 continue
             klass = self._klass(running)
             entry = self._best_quant_only(klass, view.quantization_errors)
-            if entry is None:
+            if entry is None or not self._running_pays(view, running, entry, entry.bytes_fraction):
                 continue
             label = Choice(entry.mix, klass, "pressure", entry.quality[klass])
             return AssignMix(running.request, entry.mix, label, quantize_now=True, kind="quantize", reason=reason)
@@ -231,6 +300,8 @@ class AdaptiveController:
             if entry is None or private < self.config.min_prompt_tokens:
                 continue
             mix = parse_mix(entry.mix)
+            if not self._running_pays(view, running, entry, 1 - mix.ratio * private / running.tokens):
+                continue
             cap = max(view.block_size, round((1 - mix.ratio) * private))
             capped = Mix(mix.policy, max_tokens=cap, options=mix.options)
             label = Choice(capped.spec, klass, "pressure", entry.quality[klass])
@@ -286,6 +357,44 @@ class AdaptiveController:
             freed = (recomputed - self._seen["recomputed"]) * view.block_bytes
             self.decisions.record("preempt", "no blocks", freed=freed)
         self._seen.update(swapped=swapped, recomputed=recomputed)
+
+
+NO_GAIN = "no action pays"
+
+
+def _decoding(view: ControllerView) -> list[RunningRequest]:
+    return [r for r in view.running if r.past_prefill]
+
+
+def _holders(view: ControllerView) -> list[Holder]:
+    """The decoding requests, as the cost model sees them."""
+    return [Holder(r.kv_form, r.held_bytes) for r in _decoding(view)]
+
+
+def _admit(held_back_tokens: tuple[int, ...], free_bytes: float, token_bytes: float) -> list[Holder]:
+    """The held-back requests that `free_bytes` lets run, smallest first, in full."""
+    admitted = []
+    for tokens in sorted(held_back_tokens):
+        need = tokens * token_bytes
+        if need > free_bytes:
+            break
+        free_bytes -= need
+        admitted.append(Holder("full", round(need)))
+    return admitted
+
+
+def _horizon(view: ControllerView, fallback: int) -> float:
+    """Steps until memory frees by itself: the running requests' mean remaining output."""
+    remaining = [r.remaining_tokens for r in _decoding(view)]
+    return sum(remaining) / len(remaining) if remaining else float(fallback)
+
+
+def _form(mix: str) -> str:
+    """The cost model's form of a mix: its quantizer's name, `evicted`, or `full`."""
+    parsed = parse_mix(mix)
+    if parsed.quant is not None:
+        return parsed.quant.split(":")[0]
+    return "evicted" if parsed.evicts else "full"
 
 
 def _blocks(tokens: int, view: ControllerView) -> int:

@@ -14,7 +14,7 @@ from kvwise.adaptive.profile import CLASSES
 
 log = logging.getLogger("kvwise.adaptive")
 
-ACTIONS = ("choose", "quantize", "compress", "spill", "swap", "preempt")
+ACTIONS = ("choose", "quantize", "compress", "spill", "swap", "preempt", "hold")  # hold: nothing paid
 
 
 @dataclass(frozen=True)
@@ -23,7 +23,7 @@ class Choice:
 
     mix: str
     klass: str | None
-    reason: str  # spare, pressure, short, pinned, explicit
+    reason: str  # spare, pressure, short, pinned, explicit, no action pays (a mix costs more than it gains)
     predicted_quality: float | None = None
 
     def as_usage(self) -> dict:

@@ -17,6 +17,7 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from kvwise.adaptive.costs import MachineCosts
 from kvwise.policies.mix import parse_mix
 from kvwise.util.calibrated import calibrated_path, find_calibrated
 from kvwise.util.pareto import pareto_front
@@ -70,6 +71,7 @@ class Profile:
     probes: dict[str, int] = field(default_factory=dict)  # class -> probes per mix
     format: int = FORMAT
     provenance: Provenance | None = None  # None in a profile written before kvwise recorded it
+    costs: MachineCosts | None = None  # what actions cost on the machine calibrated (None: not measured)
 
     # ---- reads -----------------------------------------------------------------------------------
     def get(self, mix: str) -> MixProfile | None:
@@ -120,7 +122,13 @@ class Profile:
                 provenance = Provenance(**provenance)
             except TypeError as error:
                 raise ValueError(f"the profile's provenance does not read: {error}") from None
-        return cls(**{**data, "mixes": mixes, "provenance": provenance})
+        costs = data.get("costs")
+        if costs is not None:
+            try:
+                costs = MachineCosts(**costs)
+            except (TypeError, ValueError) as error:
+                raise ValueError(f"the profile's machine costs do not read: {error}") from None
+        return cls(**{**data, "mixes": mixes, "provenance": provenance, "costs": costs})
 
     @classmethod
     def load(cls, path: str | Path) -> Profile:

@@ -22,6 +22,7 @@ from kvwise.engine.context_pass import PassChunk, PassDeferred, start_pass
 from kvwise.engine.detokenizer import IncrementalText
 from kvwise.engine.kv_manager import KVCacheManager
 from kvwise.engine.kv_settings import KVSettings, resolve
+from kvwise.engine.kv_view import LastStep
 from kvwise.engine.request import Request, Status
 from kvwise.engine.runner import ForwardOutput, ModelRunner
 from kvwise.engine.sampling import SamplingParams, find_stop, prompt_token_logprobs, sample
@@ -105,6 +106,7 @@ class EngineCore:
         self._last_step: tuple[int, int, float, float, bool] = (0, 0, 0.0, 0.0, False)
         self._last_step_ended = 0.0
         self.step_log: deque[StepRecord] = deque(maxlen=1024)
+        self._last_step_timing: LastStep | None = None  # what a controller's cost model learns from
         keys = [namespace_key] if namespace_key is None or isinstance(namespace_key, bytes) else namespace_key
         self.set_namespace_keys([default_namespace_key(keys[0]), *keys[1:]])
 
@@ -126,7 +128,11 @@ class EngineCore:
         self.scheduler.on_admitting.append(self._controller_admits)
 
     def _controller_admits(self, request: Request) -> None:
-        action = self.controller.admit(request, self.kv.controller_view(stalls=self._stalls()))
+        scheduler = self.scheduler
+        view = self.kv.controller_view(
+            scheduler.running, self._stalls(), held_back=scheduler.waiting, last_step=self._last_step_timing
+        )
+        action = self.controller.admit(request, view)
         if action is not None:
             outcome = self.kv.execute(action)
             if outcome.error is not None:  # the request runs with the full cache instead
@@ -135,7 +141,10 @@ class EngineCore:
                 )
 
     def _controller_acts(self) -> None:
-        view = self.kv.controller_view(self.scheduler.running, self._stalls(), self._outcomes)
+        scheduler = self.scheduler
+        view = self.kv.controller_view(
+            scheduler.running, self._stalls(), self._outcomes, scheduler.waiting, self._last_step_timing
+        )
         self._outcomes = [self.kv.execute(action) for action in self.controller.before_step(view)]
 
     def _stalls(self) -> tuple[int, int]:
@@ -276,6 +285,7 @@ class EngineCore:
         tier_seconds = self.kv.prefix_stats.seconds_in_tiers  # scheduling fetches, evictions spill
         if self.controller is not None:
             self._controller_acts()
+        step_started = time.perf_counter()  # after the controller's actions: a model of steps learns from it
         step = self.scheduler.schedule()
         if not step.chunks:
             return self._idle()
@@ -298,6 +308,10 @@ class EngineCore:
             chunks, logits = [chunks[index] for index in rows], logits[rows]
         events = self._postprocess(chunks, logits, failed)
         record.tier_seconds = self.kv.prefix_stats.seconds_in_tiers - tier_seconds
+        decodes = sum(chunk.start >= len(chunk.owner.prompt) for chunk in step.chunks)
+        self._last_step_timing = LastStep(
+            time.perf_counter() - step_started, decodes, decodes == len(step.chunks) and not passes
+        )
         return events
 
     def _timing(self, part: str):

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from kvwise.engine.block_table import Place
 from kvwise.engine.kv_actions import Action, AssignMix, Outcome, SpillPrefixes
 from kvwise.engine.kv_settings import resolve
-from kvwise.engine.kv_view import ControllerView, RunningRequest
+from kvwise.engine.kv_view import ControllerView, LastStep, RunningRequest
 
 if TYPE_CHECKING:  # types only: the manager imports this module
     from kvwise.engine.kv_manager import KVCacheManager
@@ -21,8 +21,11 @@ def controller_view(
     running: Sequence[Request] = (),
     stalls: tuple[int, int] = (0, 0),
     outcomes: Sequence[Outcome] = (),
+    held_back: Sequence[Request] = (),
+    last_step: LastStep | None = None,
 ) -> ControllerView:
-    """stalls: the scheduler's (memory stalls, preemptions) so far."""
+    """stalls: the scheduler's (memory stalls, preemptions) so far; held_back: the waiting
+    requests (running ones still prefilling are found in `running`)."""
     return ControllerView(
         usage=kv.usage(),
         free_blocks=kv.free_blocks(),
@@ -37,6 +40,12 @@ def controller_view(
         quantization_errors=kv.quantization_errors(),
         running=tuple(_running(kv, request) for request in running),
         outcomes=tuple(outcomes),
+        held_back_tokens=tuple(
+            len(request.prompt) + request.params.max_tokens - request.computed
+            for request in (*held_back, *running)
+            if request.prefilling
+        ),
+        last_step=last_step,
     )
 
 
@@ -57,7 +66,19 @@ def _running(kv: KVCacheManager, request: Request) -> RunningRequest:
         kept_score=request.kept_score,
         held_bytes=kv.request_bytes(request),
         has_region=request.region is not None,
+        remaining_tokens=max(0, request.params.max_tokens - len(request.output)),
+        kv_form=_kv_form(request),
     )
+
+
+def _kv_form(request: Request) -> str:
+    """How the request holds its KV, in a cost model's words."""
+    settings = request.kv
+    if settings is not None and settings.quant is not None:
+        return settings.quant.split(":")[0]
+    if request.region is not None:
+        return "evicted"
+    return "full"
 
 
 def execute(kv: KVCacheManager, action: Action) -> Outcome:

@@ -179,10 +179,13 @@ class KVCacheManager:
         """Carry out a controller's action (`kv_actions`); one that fails changes nothing."""
         return kv_control.execute(self, action)
 
-    def controller_view(self, running=(), stalls: tuple[int, int] = (0, 0), outcomes=()) -> ControllerView:
+    def controller_view(
+        self, running=(), stalls: tuple[int, int] = (0, 0), outcomes=(), held_back=(), last_step=None
+    ) -> ControllerView:
         """What a controller reads: memory, the scheduler's `stalls` (memory stalls, preemptions),
-        the `running` requests and the outcomes of its last actions."""
-        return kv_control.controller_view(self, running, stalls, outcomes)
+        the `running` requests, the outcomes of its last actions, the `held_back` (waiting)
+        requests and the engine's `last_step` (`LastStep`)."""
+        return kv_control.controller_view(self, running, stalls, outcomes, held_back, last_step)
 
     def quantization_errors(self) -> dict[str, tuple[float, float]]:
         """Per quantizer spec in use, the mean relative error of (keys, values) it measured."""

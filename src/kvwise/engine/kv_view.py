@@ -53,6 +53,8 @@ class RunningRequest:
     kept_score: float | None  # fraction of its policy's score its evictions kept
     held_bytes: int  # KV bytes it holds now
     has_region: bool  # its eviction ran (it holds head pages)
+    remaining_tokens: int = 0  # output tokens it may still produce
+    kv_form: str = "full"  # how it holds its KV for a cost model: full, evicted, or its quantizer's name
 
 
 @dataclass(frozen=True)
@@ -73,3 +75,15 @@ class ControllerView:
     quantization_errors: dict[str, tuple[float, float]]  # quantizer spec -> mean (keys, values) error
     running: tuple[RunningRequest, ...] = ()
     outcomes: tuple[Outcome, ...] = ()  # of the actions answered before the last step
+    held_back_tokens: tuple[int, ...] = ()  # KV tokens each waiting or still-prefilling request will hold
+    last_step: LastStep | None = None  # the step just run, for a cost model's online correction
+
+
+@dataclass(frozen=True)
+class LastStep:
+    """The engine's last step: its wall seconds, how many requests it decoded a token for, and
+    whether that was all it did (no prefill chunk, no context pass)."""
+
+    seconds: float
+    decodes: int
+    decode_only: bool

@@ -1,6 +1,6 @@
 """`kvwise calibrate` on a tiny model with a character tokenizer and the user's own documents:
 a profile keyed by the weights, with a front per class, that resumes after an interruption; and
-how a model's profile is found (or refused, naming the command)."""
+how a model's profile is found (or refused, naming the command); the machine's costs measured into it."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ import torch
 import kvwise
 import kvwise.adaptive.calibrate as calibrate
 from kvwise.adaptive.calibrate import CalibrateConfig, run_calibrate
+from kvwise.adaptive.cost_calibration import CostConfig
 from kvwise.adaptive.profile import CLASSES, Profile, find_profile, require_profile
 from kvwise.kv.lowrank_basis import LowRankBasis
 from kvwise.models import load_model
@@ -49,6 +50,7 @@ def _config(documents, **overrides):
         mixes=("full", "kivi4:residual_length=32", "snapkv@0.5"),
         probes={"retrieval": 2, "chat": 1, "long_generation": 1},
         probe_lengths=LENGTHS,
+        cost_config=CostConfig(lengths=(24, 72), batch=2, steps=2, warmup=1, forms=("full", "evicted", "int8")),
     )
     return CalibrateConfig(**{**settings, **overrides})
 
@@ -89,6 +91,28 @@ def test_calibrate_writes_a_profile_keyed_by_the_weights(tiny, documents, tmp_pa
     assert made.kvwise == kvwise.__version__ and made.date.startswith("20") and made.torch == torch.__version__
     assert made.command.startswith("run_calibrate(CalibrateConfig(") and "data=" in made.command
     assert f"Made by `{made.command}`" in table
+    # what actions cost on this machine, measured into the profile, with the machine named
+    costs = profile.costs
+    assert set(costs.forms) == {"full", "evicted", "int8"} and costs.dtype == "float32"
+    assert costs.machine and costs.base >= 0 and costs.prefill_seconds_per_token > 0
+    assert all(cost.per_request >= 0 and cost.per_byte >= 0 for cost in costs.forms.values())
+    assert "Machine costs (" in table and "| int8 |" in table.split("Machine costs")[1]
+
+
+def test_costs_only_measures_into_the_profile_there_and_keeps_its_mixes(tiny, documents, tmp_path):
+    with pytest.raises(ValueError, match="no profile at .* run `kvwise calibrate` without --costs-only"):
+        run_calibrate(_config(documents, costs="only"), tmp_path, model=tiny)
+    path = run_calibrate(_config(documents, costs="skip", surrogate="skip"), tmp_path, model=tiny)
+    before = Profile.load(path)
+    assert before.costs is None
+    assert run_calibrate(_config(documents, costs="only"), tmp_path, model=tiny) == path
+    after = Profile.load(path)
+    assert after.costs is not None and after.mixes == before.mixes and after.provenance == before.provenance
+    data = json.loads(path.read_text())
+    data["costs"]["forms"] = {"int8": {"per_request": 0.0, "per_byte": 0.0}}  # no full: nothing to fall back on
+    path.write_text(json.dumps(data))
+    with pytest.raises(ValueError, match="machine costs do not read: .*'full' form"):
+        Profile.load(path)
 
 
 def test_an_interrupted_calibration_resumes(tiny, documents, tmp_path, monkeypatch):
@@ -146,6 +170,10 @@ def test_bad_calibration_options_are_refused(documents):
         CalibrateConfig(mixes=("full", "zip@3"))
     with pytest.raises(ValueError, match="--budget-minutes must be positive"):
         CalibrateConfig(budget_minutes=0)
+    with pytest.raises(ValueError, match="costs must be 'measure', 'skip' or 'only'"):
+        CalibrateConfig(costs="guess")
+    with pytest.raises(ValueError, match="cost lengths are two increasing token counts"):
+        CostConfig(lengths=(100, 50))
     with pytest.raises(ValueError, match="no .txt or .md files"):
         from kvwise.adaptive.probes import calibration_text
 

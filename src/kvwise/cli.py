@@ -78,6 +78,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="kvzap's score surrogate and the lowrank quantizer's bases: train them beside the profile "
         "(default; kept if already there), skip them, or train only them",
     )
+    calibrate.add_argument(
+        "--costs",
+        choices=["measure", "skip", "only"],
+        default="measure",
+        help="what auto's actions cost on this machine (decode steps per KV form, a context pass): measure them "
+        "into the profile (default, a few minutes), skip them, or only measure them into the profile already in --out",
+    )
 
     bench = commands.add_parser("bench", help="benchmarks")
     add_bench_parsers(bench.add_subparsers(dest="workload", required=True))
@@ -178,7 +185,7 @@ def _command_calibrate(args) -> None:
 
     mixes = tuple(part.strip() for part in args.mixes.split(",") if part.strip()) if args.mixes else DEFAULT_MIXES
     config = CalibrateConfig(args.model, args.data, mixes, None, args.budget_minutes, args.seed, args.quick)
-    config.surrogate = args.surrogate
+    config.surrogate, config.costs = args.surrogate, args.costs
     config.command = shlex.join(["kvwise", *sys.argv[1:]])
     path = run_calibrate(config, args.out, resume=not args.no_resume)
     if path.name.endswith(".kvzap.safetensors"):

@@ -32,6 +32,7 @@ import torch
 from tqdm import tqdm
 
 from kvwise._version import __version__
+from kvwise.adaptive.cost_calibration import QUICK_COSTS, CostConfig, measure_costs
 from kvwise.adaptive.lowrank_training import fit_basis
 from kvwise.adaptive.probes import AGREEMENT_TOKENS, Probe, agreement, calibration_text, make_probes
 from kvwise.adaptive.profile import CLASSES, MixProfile, Profile, Provenance, user_profile_path
@@ -97,6 +98,8 @@ class CalibrateConfig:
     # kvzap's score surrogate and the low-rank codec's bases: "train" (unless already there),
     # "skip", or "only" (no profile)
     surrogate: str = "train"
+    costs: str = "measure"  # what actions cost on this machine: "measure", "skip", or "only" (into the profile there)
+    cost_config: CostConfig | None = None  # the points timed (default: CostConfig(), QUICK_COSTS with quick)
     command: str | None = None  # as the user typed it, for the profile's provenance (default: this config)
 
     def __post_init__(self):
@@ -113,6 +116,10 @@ class CalibrateConfig:
             raise ValueError(f"--budget-minutes must be positive, got {self.budget_minutes}")
         if self.surrogate not in ("train", "skip", "only"):
             raise ValueError(f"surrogate must be 'train', 'skip' or 'only', got {self.surrogate!r}")
+        if self.costs not in ("measure", "skip", "only"):
+            raise ValueError(f"costs must be 'measure', 'skip' or 'only', got {self.costs!r}")
+        if self.cost_config is None:
+            self.cost_config = QUICK_COSTS if self.quick else CostConfig()
 
 
 def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool = True, model=None) -> Path:
@@ -129,6 +136,8 @@ def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool
     out = Path(out) if out is not None else user_profile_path(fingerprint).parent
     out.mkdir(parents=True, exist_ok=True)
     text, description = calibration_text(config.data)
+    if config.costs == "only":
+        return _measure_costs_into(out / f"{fingerprint}.json", model, tokenizer, text, config)
     surrogate_path = out / f"{fingerprint}{SURROGATE_SUFFIX}"
     if config.surrogate != "skip" and (config.surrogate == "only" or not resume or not surrogate_path.exists()):
         surrogate_config = SurrogateConfig(seed=config.seed)
@@ -177,10 +186,23 @@ def run_calibrate(config: CalibrateConfig, out: Path | None = None, resume: bool
     profile = build_profile(rows, probes, name, fingerprint, full_kv_bytes(model, 1, model.dtype.itemsize))
     profile.data = description
     profile.provenance = provenance(config, description, profile.probes, model)
+    if config.costs == "measure":
+        profile.costs = measure_costs(model, tokenizer, text, config.cost_config)
     path = profile.save(out / f"{fingerprint}.json")
     (out / f"{fingerprint}.md").write_text(markdown(profile))
     plot_fronts(profile, out / f"{fingerprint}.png")
     partial.unlink()
+    return path
+
+
+def _measure_costs_into(path: Path, model, tokenizer, text: str, config: CalibrateConfig) -> Path:
+    """Measure the machine's costs into the profile at `path` (its mixes stay as they were)."""
+    if not path.exists():
+        raise ValueError(f"no profile at {path} to add machine costs to: run `kvwise calibrate` without --costs-only")
+    profile = Profile.load(path)
+    profile.costs = measure_costs(model, tokenizer, text, config.cost_config)
+    profile.save(path)
+    path.with_suffix(".md").write_text(markdown(profile))
     return path
 
 
@@ -393,6 +415,18 @@ def markdown(profile: Profile) -> str:
         lines.append(
             f"| {entry.mix} | {entry.bytes_fraction:.3f} | {entry.extra_seconds_per_token:.5f} | {quality} | {on} |"
         )
+    costs = profile.costs
+    if costs is not None:
+        lines += [
+            "",
+            f"Machine costs ({costs.machine}, {costs.dtype}): a decode step takes {1000 * costs.base:.1f} ms, plus "
+            f"per request in each form; a context pass {1000 * costs.prefill_seconds_per_token:.3f} ms per token.",
+            "",
+            "| form | ms per request | ms per MB held |",
+            "|---|---|---|",
+        ]
+        for name, cost in costs.forms.items():
+            lines.append(f"| {name} | {1000 * cost.per_request:.2f} | {1000 * cost.per_byte * 2**20:.3f} |")
     return "\n".join(lines) + "\n"
 
 

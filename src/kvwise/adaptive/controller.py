@@ -156,17 +156,20 @@ class AdaptiveController:
             return Verdict(1.0, 0.0)
         token_bytes = view.block_bytes / view.block_size
         whole = len(request.prompt) + request.params.max_tokens
-        held = _holders(view)
+        held, prompt_bytes = _holders(view), len(request.prompt) * token_bytes
         free = (view.free_blocks - self._promised) * view.block_bytes
-        now = held + _admit(view.held_back_tokens, free, token_bytes)
         needs = entry.bytes_fraction * whole * token_bytes
         if needs > free:
             return Verdict(0.0, 0.0)  # it waits either way
-        joining = Holder(_form(entry.mix), round(entry.bytes_fraction * len(request.prompt) * token_bytes))
+        if whole * token_bytes <= free:  # it could run in full now (the ladder is up)
+            now = held + [Holder("full", round(prompt_bytes))]
+            now += _admit(view.held_back_tokens, free - whole * token_bytes, token_bytes)
+        else:  # in full it waits for memory
+            now = held + _admit(view.held_back_tokens, free, token_bytes)
+        joining = Holder(_form(entry.mix), round(entry.bytes_fraction * prompt_bytes))
         after = held + [joining] + _admit(view.held_back_tokens, free - needs, token_bytes)
         one_time = entry.extra_seconds_per_token * len(request.prompt)
-        horizon = _horizon(view, request.params.max_tokens)
-        return self.costs.verdict(now, after[: len(held)], after[len(held) :], one_time, horizon)
+        return self.costs.verdict(now, after, [], one_time, _horizon(view, request.params.max_tokens))
 
     def _allowed(self, entry: MixProfile) -> bool:
         quant = entry.quant

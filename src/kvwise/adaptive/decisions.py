@@ -42,7 +42,8 @@ class Decisions:
     def record(self, action: str, reason: str, request_id: str = "", freed: int = 0, detail: str = "") -> None:
         self.counts[(action, reason)] += 1
         self.bytes_freed[action] += max(0, freed)
-        log.info("kv auto: %s (%s) %s %s freed=%d", action, reason, request_id, detail, freed)
+        level = logging.DEBUG if action == "hold" else logging.INFO  # a hold can recur every step under pressure
+        log.log(level, "kv auto: %s (%s) %s %s freed=%d", action, reason, request_id, detail, freed)
 
     def record_choice(self, request_id: str, choice: Choice) -> None:
         self.record("choose", choice.reason, request_id, detail=f"class={choice.klass} mix={choice.mix}")

@@ -1,5 +1,6 @@
-"""`kvwise bench adaptive`: the workload (classes, disjoint from the calibration essays, seeded
-arrivals), the report from its rows, and one small end-to-end run on the embedded model."""
+"""`kvwise bench adaptive`: the mixed workload (classes, disjoint from the calibration essays,
+seeded arrivals), the long-chat workload (growing histories, a closed loop), the report from its
+rows, and small end-to-end runs of both on the embedded model."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 from kvwise.adaptive.probes import calibration_text
 from kvwise.bench.adaptive import AdaptiveBenchConfig, aggregate, markdown, run_adaptive_bench
 from kvwise.bench.adaptive_workload import CLASSES, WorkloadSpec, at_rate, build_workload
+from kvwise.bench.long_chat import LongChatSpec, build_long_chat
 from kvwise.util.essays import split_essays
 
 pytestmark = [pytest.mark.timeout(600)]
@@ -86,3 +88,39 @@ def test_a_small_run_end_to_end(tmp_path):
     assert [row["wall_seconds"] for row in again["results"]] == [row["wall_seconds"] for row in report["results"]]
     saved = json.loads((tmp_path / "adaptive.json").read_text())
     assert saved["rate"] == 5.0 and (tmp_path / "adaptive.md").exists() and (tmp_path / "adaptive.png").exists()
+
+
+@pytest.mark.smollm
+def test_a_long_chat_grows_each_history_from_the_last_turn(smollm):
+    _, tokenizer = smollm
+    spec = LongChatSpec(conversations=3, turns=3, history_tokens=(600, 900), reply_tokens=(8, 16))
+    turns = build_long_chat(tokenizer, spec)
+    assert [r.prompt for r in turns] == [r.prompt for r in build_long_chat(tokenizer, spec)]  # seeded
+    assert len(turns) == 9 and all(r.klass == "long_chat" for r in turns)
+    for conversation in range(3):
+        first, *later = turns[3 * conversation : 3 * conversation + 3]
+        assert first.follows is None and first.arrival == 0.0
+        previous = first
+        for turn in later:
+            assert turn.follows == previous.index  # sent when the turn before it ends
+            assert turn.prompt[: len(previous.prompt)] == previous.prompt  # the history, token for token
+            assert len(turn.prompt) > len(previous.prompt) + 100
+            previous = turn
+        assert 500 <= len(previous.prompt) <= 1100 and 8 <= previous.max_tokens <= 16
+    with pytest.raises(ValueError, match="history tokens must be increasing"):
+        LongChatSpec(history_tokens=(900, 600))
+
+
+@pytest.mark.smollm
+def test_a_small_long_chat_run_end_to_end(tmp_path):
+    spec = LongChatSpec(conversations=2, turns=2, history_tokens=(400, 500), reply_tokens=(8, 12))
+    config = AdaptiveBenchConfig(workload=spec, systems=("full", "kivi4"), budgets=(0.5,))
+    report = run_adaptive_bench(config, tmp_path)
+    assert report["workload_name"] == "long-chat" and report["rate_source"] == "closed loop"
+    rows = {row["system"]: row for row in report["results"]}
+    assert rows["full"]["quality"] == 1.0 and set(rows["full"]["class_quality"]) == {"long_chat"}
+    # kivi4's replies are scored by the likelihood of full's replies under its settings, in the engine
+    assert rows["kivi4"]["compressed_requests"] == 4 and 0.5 < rows["kivi4"]["quality"] <= 1
+    table = (tmp_path / "adaptive.md").read_text()
+    assert "long chat: 2 conversations of 2 turns" in table and "| long chat |" in table
+    assert "the output tok/s of full with unlimited memory" in table

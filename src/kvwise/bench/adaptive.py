@@ -1,7 +1,10 @@
 """`kvwise bench adaptive`: the adaptive controller against fixed techniques under one KV budget.
 
-Each system serves the same open-loop workload (`adaptive_workload`) through the engine, with all
-its KV memory (pool, host swap, quantized blocks) limited by one budget. A budget of f "of peak
+Each system serves the same workload through the engine, with all its KV memory (pool, host swap,
+quantized blocks) limited by one budget. Workloads (`--workload`, `WORKLOADS`):
+- `mixed` (`adaptive_workload`): four request classes arriving open-loop;
+- `long-chat` (`long_chat`): conversations whose history grows turn by turn to 4-7K tokens, each
+  turn sent when the last one finishes (closed loop). A budget of f "of peak
 demand" gives the pool f of the full cache's peak at unlimited memory (the budget is that over the
 pool's share): at 1.0 `full` never waits for memory.
 
@@ -9,7 +12,9 @@ Quality is scored per request against the full cache at unlimited memory:
 - retrieval: 1 if the key is in the answer, divided by the full cache's accuracy on the same requests;
 - chat: min(1, full's perplexity / this one's) on the full cache's reply, replayed through the
   library cache with the settings the request ended with (the engine's tests hold the two equal);
-- short and long generation: the fraction of the first 32 tokens equal to the full cache's.
+- short and long generation: the fraction of the first 32 tokens equal to the full cache's;
+- long chat: min(1, exp(full's mean NLL of its own reply - this one's)) over the whole reply,
+  scored in the engine under the settings the request ended with (`engine_scoring`).
 
 The rate, unless given, is twice the full cache's service rate at unlimited memory, measured on a
 burst of the same requests: it saturates `full` at every budget, so output tokens per second measure
@@ -28,7 +33,9 @@ import torch
 from tqdm import tqdm
 
 from kvwise.adaptive.probes import AGREEMENT_TOKENS, agreement
-from kvwise.bench.adaptive_workload import CLASSES, WorkloadRequest, WorkloadSpec, at_rate, build_workload
+from kvwise.bench.adaptive_workload import WorkloadRequest, WorkloadSpec, at_rate
+from kvwise.bench.long_chat import CLASS as LONG_CHAT
+from kvwise.bench.long_chat import LongChatSpec
 from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
 from kvwise.engine.config import CacheConfig
@@ -43,12 +50,15 @@ SYSTEMS = ("full", *FIXED, "host-spill", "static", "auto")
 STATIC_TABLE = {"chat": "h2o@0.5", "long_generation": "streaming_llm@0.5", "short": "full"}  # + retrieval: profile's
 SATURATION = 2.0  # the default rate over full's service rate: arrivals outpace it at every budget
 PARTIAL_FORMAT = 2  # budgets give the pool f of the peak
+CLASS_LABELS = {"long_generation": "long gen", "long_chat": "long chat"}
+WORKLOADS = {"mixed": WorkloadSpec, "long-chat": LongChatSpec}  # --workload: its spec, which builds its requests
+MEMORY_BOUND = 0.7  # a workload is memory-bound at a budget where full runs at most this of full unlimited
 UNLIMITED_BYTES = 6 << 30  # the reference's pool: never full on these workloads (its preemptions are reported)
 
 
 @dataclass
 class AdaptiveBenchConfig:
-    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    workload: WorkloadSpec | LongChatSpec = field(default_factory=WorkloadSpec)
     systems: tuple[str, ...] = SYSTEMS
     budgets: tuple[float, ...] = (0.3, 1.0)
     rate: float | None = None  # requests per second; None: SATURATION x full's burst rate, unlimited memory
@@ -73,10 +83,12 @@ def run_adaptive_bench(config: AdaptiveBenchConfig, out_dir: Path, resume: bool 
 
     model, tokenizer = load_model(config.model)
     profile = require_profile(model, config.profile)
-    requests = build_workload(tokenizer, config.workload)
+    requests = config.workload.build(tokenizer)
+    closed_loop = any(request.follows is not None for request in requests)
     out_dir.mkdir(parents=True, exist_ok=True)
     header = {key: value for key, value in asdict(config).items() if key not in ("systems", "budgets", "repeats")}
     header["format"] = PARTIAL_FORMAT  # rows of an older budget meaning are not reused
+    header["workload_name"] = workload_name(config.workload)
     header = json.loads(json.dumps(header))  # as it reads back (tuples become lists)
     partial = out_dir / "adaptive.partial.jsonl"
     done = read_partial(partial, lambda saved: saved == header, lambda row: row["key"])
@@ -97,10 +109,14 @@ def run_adaptive_bench(config: AdaptiveBenchConfig, out_dir: Path, resume: bool 
             return done[key]
 
         rate = config.rate
-        if rate is None:
-            burst = measured("burst", lambda bar: bench.run("full", None, at_rate(requests, None), bar))
-            rate = SATURATION * len(requests) / burst["wall_seconds"]
-        arrivals = at_rate(requests, rate)
+        if closed_loop:  # each turn is sent when the last one ends: the rate is the engine's own
+            rate, arrivals = 0.0, [request.arrival for request in requests]
+            bar.total -= len(requests)
+        else:
+            if rate is None:
+                burst = measured("burst", lambda bar: bench.run("full", None, at_rate(requests, None), bar))
+                rate = SATURATION * len(requests) / burst["wall_seconds"]
+            arrivals = at_rate(requests, rate)
         reference = measured(f"reference@{rate:.4f}", lambda bar: bench.run("full", None, arrivals, bar))
         peak = reference["peak_kv_bytes"]
         rows = []
@@ -117,8 +133,12 @@ def run_adaptive_bench(config: AdaptiveBenchConfig, out_dir: Path, resume: bool 
         "adaptive",
         config,
         model.device,
+        workload_name=workload_name(config.workload),
+        dtype=str(model.dtype).removeprefix("torch."),
         rate=rate,
-        rate_source="given"
+        rate_source="closed loop"
+        if closed_loop
+        else "given"
         if config.rate is not None
         else f"{SATURATION:g}x full's service rate at unlimited memory (a burst)",
         pool_share=POOL_SHARE,
@@ -145,6 +165,7 @@ class _Bench:
         self.block_bytes = self.token_bytes * CacheConfig.block_size
         self.longest = max(len(r.prompt) + r.max_tokens for r in requests)
         self._replays: dict[tuple[int, str], float] = {}
+        self._engine_nll: dict[tuple[int, str], float] = {}  # (long-chat request, settings) -> NLL of full's reply
 
     def least_budget(self) -> int:
         """The smallest budget whose pool holds the longest request."""
@@ -170,7 +191,7 @@ class _Bench:
 
             core.attach_controller(AdaptiveController(self.profile, AdaptiveConfig(self.config.quality)))
         engine_requests = [self._request(core, system, request) for request in self.requests]
-        started, peak = self._drive(core, engine_requests, arrivals, bar)
+        started, peak = self._drive(core, engine_requests, arrivals, bar, self.requests)
         finished = max(r.finish_time or time.monotonic() for r in engine_requests)
         outputs = sum(len(r.output) for r in engine_requests)
         ttfts = [r.first_token_time - r.arrival for r in engine_requests if r.first_token_time is not None]
@@ -191,7 +212,8 @@ class _Bench:
             "requests": [
                 {
                     "tokens": r.output[:AGREEMENT_TOKENS],
-                    "reply": r.output[:64] if w.klass == "chat" else None,
+                    "reply": r.output[:64] if w.klass == "chat" else list(r.output) if w.klass == LONG_CHAT else None,
+                    "nll": _own_nll(r) if w.klass == LONG_CHAT and r.logprobs else None,
                     "answer": self.tokenizer.decode(r.output) if w.klass == "retrieval" else None,
                     "settings": _settings_spec(r.kv),
                     "choice": r.kv_choice.mix if r.kv_choice is not None else None,
@@ -201,7 +223,8 @@ class _Bench:
         }
 
     def _request(self, core, system: str, request: WorkloadRequest):
-        params = SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True)
+        logprobs = 0 if request.klass == LONG_CHAT else None  # its reply is scored by its own likelihood
+        params = SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True, logprobs=logprobs)
         mix = None
         if system in FIXED:
             mix = system
@@ -218,22 +241,31 @@ class _Bench:
         return min(meeting, key=lambda e: e.bytes_fraction).mix
 
     @staticmethod
-    def _drive(core, engine_requests, arrivals: list[float], bar) -> tuple[float, int]:
+    def _drive(core, engine_requests, arrivals: list[float], bar, workload: list[WorkloadRequest]) -> tuple[float, int]:
         """Add each request at its arrival time and step until all are done; (start, peak KV bytes)."""
-        order = sorted(range(len(engine_requests)), key=lambda i: arrivals[i])
+        order = sorted((i for i, w in enumerate(workload) if w.follows is None), key=lambda i: arrivals[i])
+        followers = {w.follows: i for i, w in enumerate(workload) if w.follows is not None}
+        position = {id(request): i for i, request in enumerate(engine_requests)}
         started, cursor, peak = time.monotonic(), 0, 0
+
+        def send(index: int) -> None:
+            engine_requests[index].arrival = time.monotonic()
+            core.add(engine_requests[index])
+
         while cursor < len(order) or core.has_work:
             now = time.monotonic() - started
             while cursor < len(order) and arrivals[order[cursor]] <= now:
-                request = engine_requests[order[cursor]]
-                request.arrival = time.monotonic()
-                core.add(request)
+                send(order[cursor])
                 cursor += 1
             if not core.has_work:
                 time.sleep(max(0.0, min(0.05, arrivals[order[cursor]] - now)))
                 continue
             events = core.step()
             bar.update(sum(event.finish_reason is not None for event in events))
+            for event in events:  # a conversation's next turn goes out when its last one ends
+                index = position[id(event.request)]
+                if event.finish_reason is not None and index in followers:
+                    send(followers.pop(index))
             stats = core.kv.stats()
             held = stats.used_bytes + stats.quantized_bytes + (stats.swap_used_bytes or 0)
             peak = max(peak, held + sum(tier.bytes_held for tier in stats.tiers))
@@ -248,6 +280,8 @@ class _Bench:
             if r.klass == "retrieval"
         }
         accuracy_full = sum(correct_full.values()) / max(1, len(correct_full))
+        self._score_long_chats(rows, full)
+        classes_here = list(dict.fromkeys(request.klass for request in self.requests))
         scored = []
         for row in tqdm(rows, desc="score", unit="run"):
             per_request = []
@@ -257,10 +291,15 @@ class _Bench:
                     per_request.append(min(1.0, hit / accuracy_full) if accuracy_full else 1.0)
                 elif request.klass == "chat":
                     per_request.append(self._chat_quality(index, outcome["settings"], full[index]["reply"]))
+                elif request.klass == LONG_CHAT:
+                    own = full[index]["nll"]
+                    nll = self._engine_nll[index, outcome["settings"]] if outcome["settings"] else own
+                    per_request.append(min(1.0, math.exp(own - nll)))
                 else:
                     per_request.append(agreement(outcome["tokens"], full[index]["tokens"]))
             classes = {
-                klass: _mean(q for q, r in zip(per_request, self.requests) if r.klass == klass) for klass in CLASSES
+                klass: _mean(q for q, r in zip(per_request, self.requests) if r.klass == klass)
+                for klass in classes_here
             }
             retrieval = [
                 self.requests[i].answer in (o["answer"] or "")
@@ -281,6 +320,23 @@ class _Bench:
                 }
             )
         return scored
+
+    def _score_long_chats(self, rows: list[dict], full: list[dict]) -> None:
+        """Each long-chat reply of the full cache, scored under every setting a system ended a
+        turn with, in the engine: one batch per setting."""
+        from kvwise.bench.engine_scoring import reply_nll
+
+        wanted: dict[str, list[int]] = {}
+        for row in rows:
+            for index, outcome in enumerate(row["requests"]):
+                settings = outcome["settings"]
+                if self.requests[index].klass == LONG_CHAT and settings and (index, settings) not in self._engine_nll:
+                    wanted.setdefault(settings, []).append(index)
+        for settings, indices in tqdm(wanted.items(), desc="score long chats", unit="setting"):
+            indices = list(dict.fromkeys(indices))
+            items = [(self.requests[i].prompt, full[i]["reply"]) for i in indices]
+            for index, nll in zip(indices, reply_nll(self.model, self.tokenizer, settings, items)):
+                self._engine_nll[index, settings] = nll
 
     @torch.no_grad()
     def _chat_quality(self, index: int, settings: str | None, reply: list[int]) -> float:
@@ -306,6 +362,15 @@ class _Bench:
             )
             self._replays[key] = -float(log_probs.gather(1, answer[0, :, None]).mean())
         return self._replays[key]
+
+
+def _own_nll(request) -> float:
+    """Mean negative log-likelihood of a request's own sampled tokens."""
+    return -sum(entry[token] for entry, token in zip(request.logprobs, request.output)) / len(request.output)
+
+
+def workload_name(spec) -> str:
+    return next(name for name, kind in WORKLOADS.items() if isinstance(spec, kind))
 
 
 def _settings_spec(kv: KVSettings | None) -> str | None:
@@ -342,7 +407,7 @@ def aggregate(results: list[dict]) -> list[dict]:
                 "compressed_requests",
             )
         }
-        classes = {k: _mean(r["class_quality"][k] for r in rows) for k in CLASSES}
+        classes = {k: _mean(r["class_quality"].get(k, float("nan")) for r in rows) for k in rows[0]["class_quality"]}
         spread = {
             key: (max(r[key] for r in rows) - min(r[key] for r in rows)) / mean[key] if mean[key] else 0.0
             for key in ("quality", "tokens_per_second")
@@ -370,35 +435,63 @@ def aggregate(results: list[dict]) -> list[dict]:
 def markdown(report: dict) -> str:
     config = report["config"]
     workload = config["workload"]
+    name = report.get("workload_name", "mixed")
+    if name == "long-chat":
+        what = (
+            f"Adaptive KV, long chat: {workload['conversations']} conversations of {workload['turns']} turns, "
+            f"histories to {workload['history_tokens'][0]}-{workload['history_tokens'][1]} tokens, replies of "
+            f"{workload['reply_tokens'][0]}-{workload['reply_tokens'][1]} tokens, seed {workload['seed']}, "
+            f"haystack {workload['haystack_dir'] or 'built-in essays (bench part)'}, closed loop"
+        )
+    else:
+        what = (
+            f"Adaptive KV, {workload['requests']} requests (retrieval/chat/short/long "
+            f"{'/'.join(str(p) for p in workload['proportions'])}), seed {workload['seed']}, "
+            f"haystack {workload['haystack_dir'] or 'built-in essays (bench part)'}, rate {report['rate']:.3f} req/s "
+            f"({report['rate_source']})"
+        )
     lines = [
-        f"Adaptive KV, {workload['requests']} requests (retrieval/chat/short/long "
-        f"{'/'.join(str(p) for p in workload['proportions'])}), seed {workload['seed']}, "
-        f"haystack {workload['haystack_dir'] or 'built-in essays (bench part)'}, rate {report['rate']:.3f} req/s "
-        f"({report['rate_source']}), peak full-cache demand {report['peak_demand_bytes']:,} bytes (a budget of f "
+        f"{what}, peak full-cache demand {report['peak_demand_bytes']:,} bytes (a budget of f "
         f"gives the pool f of it: the budget is f x peak / {report.get('pool_share', POOL_SHARE)}), "
-        f"auto's floor {config['quality']}, model={model_label(config)}",
+        f"auto's floor {config['quality']}, dtype {report.get('dtype', 'float32')}, model={model_label(config)}",
         system_line(report["system"]),
         "",
     ]
     merged = aggregate(report["results"])
+    unlimited = report.get("reference", {}).get("tokens_per_second")
     for budget in dict.fromkeys(row["budget"] for row in merged):
         rows = [row for row in merged if row["budget"] == budget]
         full = next((row for row in rows if row["system"] == "full"), None)
+        classes = list(rows[0]["class_quality"])
+        lines.append(f"Budget {budget} of peak demand ({rows[0]['budget_bytes']:,} bytes):")
+        if full and unlimited:
+            ratio = full["tokens_per_second"] / unlimited
+            bound = "memory-bound" if ratio <= MEMORY_BOUND else "not memory-bound"
+            lines.append(
+                f"full here serves {ratio:.2f}x the output tok/s of full with unlimited memory ({unlimited:.2f}): "
+                f"{bound} (<= {MEMORY_BOUND})."
+            )
         lines += [
-            f"Budget {budget} of peak demand ({rows[0]['budget_bytes']:,} bytes):",
             "",
-            "| system | quality | retrieval | chat | short | long gen | retrieval acc | output tok/s | vs full | "
+            "| system | quality | "
+            + " | ".join(CLASS_LABELS.get(k, k) for k in classes)
+            + " | retrieval acc | output tok/s | vs full | "
             "TTFT p50 / p99 (s) | preemptions | peak KV bytes | compressed | spread q / tps | actions |",
-            "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+            "|---|---|" + "---|" * len(classes) + "---|---|---|---|---|---|---|---|---|",
         ]
         for row in rows:
             c = row["class_quality"]
             versus = f"{row['tokens_per_second'] / full['tokens_per_second']:.2f}x" if full else ""
             actions = ", ".join(f"{k} {v}" for k, v in sorted(row["actions"].items())) or "-"
+            accuracy = (
+                f"{row['retrieval_accuracy']:.2f} (full {row['full_retrieval_accuracy']:.2f})"
+                if "retrieval" in classes
+                else "-"
+            )
             lines.append(
-                f"| {row['system']} | {row['quality']:.3f} | {c['retrieval']:.3f} | {c['chat']:.3f} | "
-                f"{c['short']:.3f} | {c['long_generation']:.3f} | {row['retrieval_accuracy']:.2f} "
-                f"(full {row['full_retrieval_accuracy']:.2f}) | {row['tokens_per_second']:.2f} | {versus} | "
+                f"| {row['system']} | {row['quality']:.3f} | "
+                + " | ".join(f"{c[k]:.3f}" for k in classes)
+                + f" | {accuracy} | {row['tokens_per_second']:.2f} | {versus} | "
                 f"{row['ttft_p50_s']:.2f} / {row['ttft_p99_s']:.2f} | {row['preemptions']:.0f} | "
                 f"{row['peak_kv_bytes']:,.0f} | {row['compressed_requests']:.0f} | "
                 f"{row['spread']['quality']:.3f} / {row['spread']['tokens_per_second']:.3f} | {actions} |"

@@ -44,8 +44,9 @@ class WorkloadRequest:
     klass: str
     prompt: list[int]
     max_tokens: int
-    arrival: float  # seconds after the run starts
+    arrival: float  # seconds after the run starts (or after the request it follows finishes)
     answer: str | None = None
+    follows: int | None = None  # the index of the request whose finish sends this one (a closed loop)
 
 
 @dataclass
@@ -69,6 +70,9 @@ class WorkloadSpec:
             raise ValueError(f"--requests must be >= 1, got {self.requests}")
         if "{key}" not in self.needle:
             raise ValueError("the needle template must contain {key}")
+
+    def build(self, tokenizer) -> list[WorkloadRequest]:
+        return build_workload(tokenizer, self)
 
 
 def build_workload(tokenizer, spec: WorkloadSpec) -> list[WorkloadRequest]:

@@ -256,7 +256,16 @@ def add_adaptive_parser(workloads) -> None:
     adaptive = workloads.add_parser(
         "adaptive", help="the adaptive KV controller against fixed techniques under one memory budget"
     )
-    adaptive.add_argument("--requests", type=int, default=None, help="requests (default 120; 48 with --quick)")
+    adaptive.add_argument(
+        "--workload",
+        choices=["mixed", "long-chat"],
+        default="mixed",
+        help="mixed: four request classes, open loop (default); long-chat: conversations whose history grows "
+        "to 4-7K tokens, each turn sent when the last ends",
+    )
+    adaptive.add_argument("--requests", type=int, default=None, help="mixed: requests (default 120; 48 with --quick)")
+    adaptive.add_argument("--conversations", type=int, default=None, help="long-chat: conversations (default 8)")
+    adaptive.add_argument("--turns", type=int, default=None, help="long-chat: turns per conversation (default 4)")
     adaptive.add_argument(
         "--mix", type=floats, default=None, help="class proportions retrieval,chat,short,long (default 0.4,0.3,0.2,0.1)"
     )
@@ -276,21 +285,35 @@ def add_adaptive_parser(workloads) -> None:
     adaptive.add_argument("--question", default=None)
     adaptive.add_argument("--answer-prefix", default=None)
     adaptive.add_argument("--model", default=None)
-    adaptive.add_argument("--quick", action="store_true", help="48 requests, passages of 1-2K tokens (~15 min)")
+    adaptive.add_argument(
+        "--quick",
+        action="store_true",
+        help="mixed: 48 requests, passages of 1-2K tokens (~15 min); long-chat: histories to 2-3.5K tokens, "
+        "replies of 64-128",
+    )
     adaptive.add_argument("--out", type=Path, default=Path("results/adaptive"))
     adaptive.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")
 
 
 def _adaptive(args) -> None:
-    from kvwise.bench.adaptive import AdaptiveBenchConfig, run_adaptive_bench
-    from kvwise.bench.adaptive_workload import WorkloadSpec
+    from kvwise.bench.adaptive import WORKLOADS, AdaptiveBenchConfig, run_adaptive_bench
 
-    spec = WorkloadSpec()
-    if args.quick:
-        spec.requests, spec.retrieval_tokens, spec.chat_tokens = 48, (1000, 2000), (1000, 2000)
-    if args.mix is not None:
-        spec.proportions = tuple(args.mix)
-    _override(spec, args, ("requests", "seed", "haystack_dir", "needle", "question", "answer_prefix"))
+    spec = WORKLOADS[args.workload]()
+    long_chat = args.workload == "long-chat"
+    foreign = ("requests", "mix", "needle", "question", "answer_prefix") if long_chat else ("conversations", "turns")
+    given = [flag for flag in foreign if getattr(args, flag) is not None]
+    if given:
+        raise SystemExit(f"--{given[0].replace('_', '-')} does not apply to the {args.workload} workload")
+    if long_chat:
+        if args.quick:
+            spec.history_tokens, spec.reply_tokens = (2000, 3500), (64, 128)
+        _override(spec, args, ("conversations", "turns", "seed", "haystack_dir"))
+    else:
+        if args.quick:
+            spec.requests, spec.retrieval_tokens, spec.chat_tokens = 48, (1000, 2000), (1000, 2000)
+        if args.mix is not None:
+            spec.proportions = tuple(args.mix)
+        _override(spec, args, ("requests", "seed", "haystack_dir", "needle", "question", "answer_prefix"))
     config = AdaptiveBenchConfig(workload=spec, model=args.model)
     _override(config, args, ("systems", "budgets", "rate", "repeats", "quality", "profile"))
     run_adaptive_bench(config, args.out, resume=not args.no_resume)

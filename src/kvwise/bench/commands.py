@@ -258,6 +258,7 @@ def add_adaptive_parser(workloads) -> None:
     )
     adaptive.add_argument(
         "--workload",
+        dest="adaptive_workload",  # `workload` names the bench itself
         choices=["mixed", "long-chat"],
         default="mixed",
         help="mixed: four request classes, open loop (default); long-chat: conversations whose history grows "
@@ -298,12 +299,12 @@ def add_adaptive_parser(workloads) -> None:
 def _adaptive(args) -> None:
     from kvwise.bench.adaptive import WORKLOADS, AdaptiveBenchConfig, run_adaptive_bench
 
-    spec = WORKLOADS[args.workload]()
-    long_chat = args.workload == "long-chat"
+    spec = WORKLOADS[args.adaptive_workload]()
+    long_chat = args.adaptive_workload == "long-chat"
     foreign = ("requests", "mix", "needle", "question", "answer_prefix") if long_chat else ("conversations", "turns")
     given = [flag for flag in foreign if getattr(args, flag) is not None]
     if given:
-        raise SystemExit(f"--{given[0].replace('_', '-')} does not apply to the {args.workload} workload")
+        raise SystemExit(f"--{given[0].replace('_', '-')} does not apply to the {args.adaptive_workload} workload")
     if long_chat:
         if args.quick:
             spec.history_tokens, spec.reply_tokens = (2000, 3500), (64, 128)

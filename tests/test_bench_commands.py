@@ -66,3 +66,21 @@ def test_ppl_quick_settings_are_a_valid_config(monkeypatch, tmp_path):
     (tmp_path / "ppl.md").write_text("")
     commands.run_bench(build_parser().parse_args(["bench", "ppl", "--quick", "--out", str(tmp_path)]))
     assert seen[0].mixes == ["h2o@max=256+kivi4"]
+
+
+def test_the_adaptive_bench_takes_a_workload_and_refuses_flags_of_another(monkeypatch, tmp_path):
+    import kvwise.bench.adaptive as adaptive
+
+    seen = []
+    monkeypatch.setattr(adaptive, "run_adaptive_bench", lambda config, out, resume: seen.append(config))
+    monkeypatch.setattr(commands, "_print_report", lambda out, name: None)
+    argv = ["bench", "adaptive", "--workload", "long-chat", "--quick", "--conversations", "3", "--out", str(tmp_path)]
+    commands.run_bench(build_parser().parse_args(argv))
+    (config,) = seen
+    assert type(config.workload).__name__ == "LongChatSpec" and config.workload.conversations == 3
+    assert config.workload.history_tokens == (2000, 3500)  # --quick's
+    with pytest.raises(SystemExit, match="--requests does not apply to the long-chat workload"):
+        argv = ["bench", "adaptive", "--workload", "long-chat", "--requests", "4"]
+        commands.run_bench(build_parser().parse_args(argv))
+    with pytest.raises(SystemExit, match="--turns does not apply to the mixed workload"):
+        commands.run_bench(build_parser().parse_args(["bench", "adaptive", "--turns", "4"]))

@@ -3,6 +3,8 @@ action pays, yet acting when one does, on a tiny model with synthetic costs."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from kvwise.adaptive.controller import NO_GAIN, AdaptiveConfig, AdaptiveController
@@ -105,6 +107,10 @@ def test_under_pressure_the_ladder_holds_when_quantizing_does_not_pay(llama):
     assert view.held_back_tokens == (64 + 40,) and view.running[0].kv_form == "full"
     assert controller.before_step(view) == []
     assert controller.decisions.counts[("hold", NO_GAIN)] == 1
+    controller.level = 3  # every rung: a spill frees nothing the pool would not reclaim when asked
+    assert controller.before_step(replace(view, memory_stalls=stalls[0] + 1)) == []
+    assert controller.decisions.counts[("hold", NO_GAIN)] == 2
+    controller.level = 1
     # on a machine where a step is mostly weights, the same view pays: the running one is quantized
     controller.costs = CostModel(_costs(1.0, 0.001))
     actions = controller.before_step(core.kv.controller_view(running, (stalls[0] + 1, 0), held_back=[waiting]))

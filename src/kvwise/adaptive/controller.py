@@ -319,7 +319,13 @@ class AdaptiveController:
         choices = [e for e in self.profile.mixes if fits(e) and e.quality[klass] >= self.config.quality]
         return min(choices, key=lambda e: e.bytes_fraction, default=None)
 
-    def _spill(self, view: ControllerView, reason: str, taken: set) -> SpillPrefixes:
+    def _spill(self, view: ControllerView, reason: str, taken: set) -> SpillPrefixes | None:
+        if self.costs is not None:
+            # the pool counts prefix blocks nobody holds as free already (it reclaims them when
+            # asked): a spill frees nothing a held-back request could use, and without tiers it
+            # drops prefixes a next turn would reuse, so it never pays
+            self._unpaid += 1
+            return None
         return SpillPrefixes(max(1, view.num_blocks // 16), reason=reason)
 
     def _read_outcomes(self, view: ControllerView) -> None:

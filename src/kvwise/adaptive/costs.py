@@ -27,7 +27,6 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass, field
 
-FORMS = ("full", "evicted", "int8", "fp8", "kivi4", "kivi2", "lowrank")
 SCALE_BOUNDS = (0.25, 4.0)  # one odd step (a page fault, another process) moves the scale at most this far
 
 

@@ -308,10 +308,11 @@ class EngineCore:
             chunks, logits = [chunks[index] for index in rows], logits[rows]
         events = self._postprocess(chunks, logits, failed)
         record.tier_seconds = self.kv.prefix_stats.seconds_in_tiers - tier_seconds
-        decodes = sum(chunk.start >= len(chunk.owner.prompt) for chunk in step.chunks)
-        self._last_step_timing = LastStep(
-            time.perf_counter() - step_started, decodes, decodes == len(step.chunks) and not passes
-        )
+        if self.controller is not None:  # only a controller reads it
+            decodes = sum(chunk.start >= len(chunk.owner.prompt) for chunk in step.chunks)
+            self._last_step_timing = LastStep(
+                time.perf_counter() - step_started, decodes, decodes == len(step.chunks) and not passes
+            )
         return events
 
     def _timing(self, part: str):

@@ -126,3 +126,33 @@ def test_the_engine_feeds_decode_steps_to_the_cost_model(llama):
     assert [r.kv_choice.reason for r in requests] == ["spare", "spare"]
     assert controller.costs.observed_steps >= 5  # every decode-only step of both
     assert controller.costs.scale != 1.0  # a tiny model's step is not what the synthetic costs say
+
+
+def test_an_action_does_not_pay_when_memory_frees_by_itself_soon(llama):
+    """Quantizing the running request would admit the held-back one now, for a one-time cost of
+    about 3 s. While the running request has most of its reply ahead, the steps saved pay for it;
+    two steps before it ends, the held-back request would run anyway, and the same action does not."""
+    core, controller = _engine(llama, _costs(1.0, 0.001), num_blocks=30, low_watermark=0.2)
+    controller.profile.get("int8").extra_seconds_per_token = 0.05
+    first = _request(core, 64, 40, "chat", seed=1)
+    core.add(first)
+    for _ in range(3):
+        core.step()
+    waiting = _request(core, 64, 40, "chat", seed=2)  # its 26 blocks do not fit beside the first's
+    controller.level = 1
+    stalls = core.scheduler.memory_stalls
+
+    def actions_now():
+        nonlocal stalls
+        stalls += 1
+        view = core.kv.controller_view(core.scheduler.running, (stalls, 0), held_back=[waiting])
+        return controller.before_step(view)
+
+    long_ahead = actions_now()
+    assert [type(a) for a in long_ahead] == [AssignMix] and long_ahead[0].request is first
+    while first.params.max_tokens - len(first.output) > 2:
+        core.step()  # the engine's own steps weigh the same action as it nears its end
+    holds = controller.decisions.counts[("hold", NO_GAIN)]
+    assert actions_now() == []
+    assert controller.decisions.counts[("hold", NO_GAIN)] == holds + 1
+    _run(core, [])

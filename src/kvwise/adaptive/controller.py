@@ -169,7 +169,12 @@ class AdaptiveController:
         joining = Holder(_form(entry.mix), round(entry.bytes_fraction * prompt_bytes))
         after = held + [joining] + _admit(view.held_back_tokens, free - needs, token_bytes)
         one_time = entry.extra_seconds_per_token * len(request.prompt)
-        return self.costs.verdict(now, after, [], one_time, _horizon(view, request.params.max_tokens))
+        if whole * token_bytes <= free:  # the gain goes to the first held-back request
+            wait = _wait_steps(view, min(view.held_back_tokens, default=0) * token_bytes, free - whole * token_bytes)
+        else:  # to this one
+            wait = _wait_steps(view, whole * token_bytes, free)
+        tail = self._slowdown(Holder("full", round(prompt_bytes)), joining) * max(0, request.params.max_tokens - wait)
+        return self.costs.verdict(now, after, [], one_time, wait, tail)
 
     def _allowed(self, entry: MixProfile) -> bool:
         quant = entry.quant
@@ -237,10 +242,19 @@ class AdaptiveController:
         ]
         admitted = _admit(view.held_back_tokens, free + freed, token_bytes)
         one_time = entry.extra_seconds_per_token * running.tokens
-        if self.costs.verdict(now, after, admitted, one_time, _horizon(view, running.remaining_tokens)).pays:
+        first_need = min(view.held_back_tokens, default=0) * token_bytes
+        wait = _wait_steps(view, first_need, free)
+        changed = Holder(_form(entry.mix), round(running.held_bytes * kept))
+        tail = self._slowdown(Holder(running.kv_form, running.held_bytes), changed)
+        tail *= max(0, running.remaining_tokens - wait)
+        if self.costs.verdict(now, after, admitted, one_time, wait, tail).pays:
             return True
         self._unpaid += 1
         return False
+
+    def _slowdown(self, before: Holder, after: Holder) -> float:
+        """Seconds a decode step gains when one request goes from `before` to `after` (>= 0)."""
+        return max(0.0, self.costs.step_seconds([after]) - self.costs.step_seconds([before])) / self.costs.scale
 
     def pressure(self, view: ControllerView) -> tuple[float, bool]:
         """(the pool's usage in [0, 1], whether memory held a request back since the last step:
@@ -392,10 +406,16 @@ def _admit(held_back_tokens: tuple[int, ...], free_bytes: float, token_bytes: fl
     return admitted
 
 
-def _horizon(view: ControllerView, fallback: int) -> float:
-    """Steps until memory frees by itself: the running requests' mean remaining output."""
-    remaining = [r.remaining_tokens for r in _decoding(view)]
-    return sum(remaining) / len(remaining) if remaining else float(fallback)
+def _wait_steps(view: ControllerView, need_bytes: float, free_bytes: float) -> float:
+    """Steps until memory frees `need_bytes` by itself: running requests end, soonest first, and
+    give their bytes back; the held-back request would then run without any action."""
+    if need_bytes <= free_bytes:
+        return 0.0
+    for running in sorted(_decoding(view), key=lambda r: r.remaining_tokens):
+        free_bytes += running.held_bytes
+        if free_bytes >= need_bytes:
+            return float(running.remaining_tokens)
+    return float(max((r.remaining_tokens for r in view.running), default=0))
 
 
 def _form(mix: str) -> str:

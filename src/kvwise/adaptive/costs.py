@@ -16,10 +16,12 @@ quantizer's name (`int8`, `kivi4`, ...); `kvwise calibrate` measures each (`cost
 
 An action is worth doing when the tokens it gains over a horizon beat the tokens it costs:
 - it gains by letting held-back requests run now: throughput goes from n / T(n) to
-  (n + k) / T(n + k), for the horizon over which memory would not free by itself (the running
-  requests' remaining steps);
+  (n + k) / T(n + k), only for the horizon over which memory would not free by itself (until
+  enough running requests finish to admit the first held-back one in full);
 - it costs its one-time seconds (a quantization, a context pass), during which the n running
-  requests make no progress, and any slower step it leaves behind, already inside T(n + k).
+  requests make no progress, any slower step it leaves behind (inside T(n + k) over the horizon),
+  and the slower steps it still leaves after the horizon, until the request it changed ends
+  (`tail_seconds`): past the horizon the held-back requests would have run anyway.
 """
 
 from __future__ import annotations
@@ -116,10 +118,12 @@ class CostModel:
         admitted: list[Holder],
         one_time_seconds: float,
         horizon_steps: float,
+        tail_seconds: float = 0.0,
     ) -> Verdict:
         """Tokens gained and lost if an action turns the decoding `running` into `after` (the same
         requests, some in a new form) and lets `admitted` held-back requests run now, at a cost of
-        `one_time_seconds`, over `horizon_steps` steps of the running requests."""
+        `one_time_seconds`, over `horizon_steps` steps of the running requests; `tail_seconds`:
+        the extra step seconds the action still costs after the horizon, all steps together."""
         now = self.step_seconds(running)
         then = self.step_seconds(after + admitted)
         if now <= 0 or then <= 0:
@@ -128,5 +132,6 @@ class CostModel:
         rate_then = (len(after) + len(admitted)) / then
         horizon = horizon_steps * now  # seconds until memory frees by itself
         gained = max(0.0, rate_then - rate_now) * horizon
-        lost = rate_now * one_time_seconds + max(0.0, rate_now - rate_then) * horizon
+        lost = rate_now * (one_time_seconds + self.scale * max(0.0, tail_seconds))
+        lost += max(0.0, rate_now - rate_then) * horizon
         return Verdict(gained, lost)

@@ -155,4 +155,6 @@ def test_an_action_does_not_pay_when_memory_frees_by_itself_soon(llama):
     holds = controller.decisions.counts[("hold", NO_GAIN)]
     assert actions_now() == []
     assert controller.decisions.counts[("hold", NO_GAIN)] == holds + 1
+    last = controller.decisions.log[-1]  # the action log: a run of holds is one entry, counted
+    assert (last["action"], last["reason"]) == ("hold", NO_GAIN) and last["times"] >= 2
     _run(core, [])

@@ -1,6 +1,7 @@
 """`kvwise bench adaptive`: the mixed workload (classes, disjoint from the calibration essays,
-seeded arrivals), the long-chat workload (growing histories, a closed loop), the report from its
-rows, and small end-to-end runs of both on the embedded model."""
+seeded arrivals), the long-chat workload (growing histories, a closed loop), the doc-store workload
+(documents with key sentences, Zipf reuse, one host tier for all), the report from its rows, and
+small end-to-end runs of each on the embedded model."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import pytest
 from kvwise.adaptive.probes import calibration_text
 from kvwise.bench.adaptive import AdaptiveBenchConfig, aggregate, markdown, run_adaptive_bench
 from kvwise.bench.adaptive_workload import CLASSES, WorkloadSpec, at_rate, build_workload
+from kvwise.bench.doc_store import DocStoreSpec, build_doc_store
 from kvwise.bench.long_chat import LongChatSpec, build_long_chat
 from kvwise.util.essays import split_essays
 
@@ -124,3 +126,45 @@ def test_a_small_long_chat_run_end_to_end(tmp_path):
     table = (tmp_path / "adaptive.md").read_text()
     assert "long chat: 2 conversations of 2 turns" in table and "| long chat |" in table
     assert "the output tok/s of full with unlimited memory" in table
+
+
+@pytest.mark.smollm
+def test_a_doc_store_asks_about_popular_documents_again(smollm):
+    _, tokenizer = smollm
+    spec = DocStoreSpec(documents=6, document_tokens=(200, 300), requests=30, clients=2)
+    requests = build_doc_store(tokenizer, spec)
+    assert [r.prompt for r in requests] == [r.prompt for r in build_doc_store(tokenizer, spec)]  # seeded
+    assert [r.follows for r in requests[:4]] == [None, None, 0, 1]  # each client waits for its last answer
+    documents: dict[tuple, set] = {}
+    for request in requests:
+        document = tuple(request.prompt[: request.document_end])
+        documents.setdefault(document, set()).add(request.answer)
+        text = tokenizer.decode(request.prompt[request.document_end :])
+        assert "access code" in text and text.rstrip().endswith("file is")
+    assert all(len(codes) == 1 for codes in documents.values())  # one key per document
+    for document, (code,) in documents.items():
+        assert f"file is {code}." in tokenizer.decode(document)
+    asked = sorted((sum(tuple(r.prompt[: r.document_end]) == d for r in requests) for d in documents), reverse=True)
+    assert asked[0] >= 2 * asked[-1] and len(documents) >= 4  # Zipf: a few are asked about again and again
+    with pytest.raises(ValueError, match="2 to"):
+        DocStoreSpec(documents=1)
+
+
+@pytest.mark.smollm
+def test_a_small_doc_store_run_end_to_end(tmp_path):
+    # the pool holds 3 requests of ~370 tokens; the documents asked about, ~2.5K tokens in full
+    spec = DocStoreSpec(documents=10, document_tokens=(260, 320), requests=16, clients=2, zipf_exponent=1.0)
+    config = AdaptiveBenchConfig(workload=spec, systems=("full", "kvzip@0.75+kivi4", "auto"), budgets=(1.0,))
+    report = run_adaptive_bench(config, tmp_path)
+    assert report["workload_name"] == "doc-store" and report["documents_bytes"] > 0
+    rows = {row["system"]: row for row in report["results"]}
+    assert rows["full"]["quality"] == 1.0 and set(rows["full"]["class_quality"]) == {"doc_store"}
+    assert rows["full"]["document_hits"] > 0  # its documents come back from the pool or the host tier
+    assert rows["kvzip@0.75+kivi4"]["compressed_requests"] == 16 and rows["kvzip@0.75+kivi4"]["document_hits"] > 0
+    reasons = {name.split(":", 1)[1] for name in rows["auto"]["actions"] if name.startswith("choose:")}
+    assert reasons <= {"document: too little reuse yet", "document: held in full", "document: reused, compressed once",
+                       "document: compressed already"} and reasons  # fmt: skip
+    table = (tmp_path / "adaptive.md").read_text()
+    assert "doc store: 16 questions over 10 documents" in table and "vs full TTFT p50" in table
+    with pytest.raises(ValueError, match="leaves no host tier"):
+        run_adaptive_bench(AdaptiveBenchConfig(workload=spec, systems=("full",), budgets=(0.01,)), tmp_path / "small")

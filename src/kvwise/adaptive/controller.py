@@ -5,6 +5,10 @@ for `auto` gets, for its class (`request_class`):
 - an operator's pinned mix for that class, if any;
 - `full` when its prompt is short (nothing worth saving) or memory is to spare: the ladder is down
   and its whole KV (prompt and output) fits the pool's free blocks now;
+- for a request whose prompt opens with a document (`compress_upto`), a form per document, by how
+  often it is asked about (`document_reuse`): full while it is new or held in full, then, once
+  the misses it spares pay for compressing it, the cheapest evicting mix meeting the floor,
+  compressed once and reused by every later request for it;
 - otherwise the cheapest mix, in bytes, whose profiled quality meets the floor (`Profile.cheapest`),
   among the quantizers the server allows, and, when the pool cannot lend a context pass right now,
   among the mixes that need none.
@@ -42,6 +46,7 @@ from dataclasses import dataclass, field
 
 from kvwise.adaptive.costs import CostModel, Holder, Verdict
 from kvwise.adaptive.decisions import Choice, Decisions
+from kvwise.adaptive.document_reuse import DocumentReuse, worth_compressing
 from kvwise.adaptive.profile import MixProfile, Profile, check_class
 from kvwise.adaptive.request_class import check_hint, classify
 from kvwise.engine.kv_actions import Action, AssignMix, SpillPrefixes
@@ -88,6 +93,7 @@ class AdaptiveController:
             costs = CostModel(profile.costs)
         self.costs = costs
         self.decisions = Decisions()
+        self.documents = DocumentReuse()  # per document: how often asked about, and its chosen form
         self.level = 0  # rungs in force (0: none)
         self._steps_since_move = 0
         self._rung_actions = (self._quantize, self._compress, self._spill)  # in the order of RUNGS
@@ -127,6 +133,8 @@ class AdaptiveController:
             return Choice(pinned, klass, "pinned", entry.quality[klass] if entry else None)
         if len(request.prompt) < self.config.min_prompt_tokens:
             return Choice("full", klass, "short", 1.0)
+        if request.compress_upto is not None:
+            return self._choose_document(request, klass, view)
         whole = _blocks(len(request.prompt) + request.params.max_tokens, view)
         if self.level == 0 and self._promised + whole <= view.free_blocks:
             # its whole KV fits the free blocks now, beside what this step's admissions were
@@ -142,12 +150,33 @@ class AdaptiveController:
         entry = self.profile.cheapest(
             klass, self.config.quality, lambda e: self._allowed(e) and (pass_fits or not _needs_pass(e.mix))
         )
-        if request.compress_upto is not None and not parse_mix(entry.mix).evicts:
-            # a document compressed once needs an evicting mix; else keep it whole
-            entry = self.profile.get("full")
         if entry.mix != "full" and not self._admission_pays(request, entry, view).pays:
             return Choice("full", klass, NO_GAIN, 1.0)
         return Choice(entry.mix, klass, "pressure", entry.quality[klass])
+
+    def _choose_document(self, request: Request, klass: str, view: ControllerView) -> Choice:
+        """A document's form, by how often it is asked about: full while it is new or held in full
+        (a prefix-cache hit costs least), compressed once (the cheapest evicting mix meeting the
+        floor) when the misses that spares pay for compressing it; then that mix, every time."""
+        upto = request.compress_upto
+        record = self.documents.sight(request.tenant, request.prompt[:upto])
+        if record.mix is not None:  # the same mix finds the compressed copy (its key holds the mix)
+            entry = self.profile.get(record.mix)
+            return Choice(record.mix, klass, DOCUMENT_COMPRESSED, entry.quality[klass] if entry else None)
+        if view.document_cached_tokens + view.block_size > upto:  # all but a partial last block
+            return Choice("full", klass, DOCUMENT_CACHED, 1.0)
+        free_tokens = (view.free_blocks - self._promised) * view.block_size
+        pass_fits = free_tokens >= 2 * (len(request.prompt) + view.block_size)
+        entry = self.profile.cheapest(
+            klass,
+            self.config.quality,
+            lambda e: parse_mix(e.mix).evicts and self._allowed(e) and (pass_fits or not _needs_pass(e.mix)),
+        )
+        prefill = self.costs.costs.prefill_seconds_per_token if self.costs is not None else None
+        if entry.mix == "full" or not worth_compressing(record.sightings, prefill, entry.extra_seconds_per_token):
+            return Choice("full", klass, DOCUMENT_NEW, 1.0)
+        record.mix = entry.mix
+        return Choice(entry.mix, klass, DOCUMENT_REUSED, entry.quality[klass])
 
     def _admission_pays(self, request: Request, entry: MixProfile, view: ControllerView) -> Verdict:
         """Whether running `request` with `entry` now, rather than in full once memory frees, gains
@@ -383,6 +412,10 @@ class AdaptiveController:
 
 
 NO_GAIN = "no action pays"
+DOCUMENT_NEW = "document: too little reuse yet"
+DOCUMENT_CACHED = "document: held in full"
+DOCUMENT_REUSED = "document: reused, compressed once"
+DOCUMENT_COMPRESSED = "document: compressed already"
 
 
 def _decoding(view: ControllerView) -> list[RunningRequest]:

@@ -1,4 +1,5 @@
-"""What the controller did: counters by action and reason, bytes freed, predicted quality per class.
+"""What the controller did: counters by action and reason, bytes freed, predicted quality per class,
+and a log of its last decisions in order, each with its reason (the bench saves it with a run).
 
 The server's metrics read a snapshot (`counts`, `bytes_freed`, `predicted_quality`) from another
 thread; every write happens on the engine's thread, so plain dicts of numbers are enough.
@@ -7,13 +8,15 @@ thread; every write happens on the engine's thread, so plain dicts of numbers ar
 from __future__ import annotations
 
 import logging
-from collections import defaultdict
+import time
+from collections import defaultdict, deque
 from dataclasses import dataclass
 
 from kvwise.adaptive.profile import CLASSES
 
 log = logging.getLogger("kvwise.adaptive")
 
+LOG_LENGTH = 10_000  # decisions the log keeps, the newest (a run of equal holds is one entry)
 ACTIONS = ("choose", "quantize", "compress", "spill", "swap", "preempt", "hold")  # hold: nothing paid
 
 
@@ -38,10 +41,27 @@ class Decisions:
         self.counts: dict[tuple[str, str], int] = defaultdict(int)  # (action, reason) -> times
         self.bytes_freed: dict[str, int] = defaultdict(int)  # action -> bytes
         self._quality_sums = {klass: [0.0, 0] for klass in CLASSES}
+        self.log: deque[dict] = deque(maxlen=LOG_LENGTH)  # {seconds, action, reason, request, freed, detail, times}
+        self._started = time.monotonic()
 
     def record(self, action: str, reason: str, request_id: str = "", freed: int = 0, detail: str = "") -> None:
         self.counts[(action, reason)] += 1
         self.bytes_freed[action] += max(0, freed)
+        last = self.log[-1] if self.log else None
+        if action == "hold" and last is not None and (last["action"], last["reason"]) == (action, reason):
+            last["times"] += 1  # under pressure a hold recurs every step: one entry, counted
+        else:
+            self.log.append(
+                {
+                    "seconds": round(time.monotonic() - self._started, 3),
+                    "action": action,
+                    "reason": reason,
+                    "request": request_id,
+                    "freed": max(0, freed),
+                    "detail": detail,
+                    "times": 1,
+                }
+            )
         level = logging.DEBUG if action == "hold" else logging.INFO  # a hold can recur every step under pressure
         log.log(level, "kv auto: %s (%s) %s %s freed=%d", action, reason, request_id, detail, freed)
 

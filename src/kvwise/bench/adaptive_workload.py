@@ -47,6 +47,7 @@ class WorkloadRequest:
     arrival: float  # seconds after the run starts (or after the request it follows finishes)
     answer: str | None = None
     follows: int | None = None  # the index of the request whose finish sends this one (a closed loop)
+    document_end: int | None = None  # where a document the request asks about ends (`compress_upto`)
 
 
 @dataclass

@@ -259,14 +259,19 @@ def add_adaptive_parser(workloads) -> None:
     adaptive.add_argument(
         "--workload",
         dest="adaptive_workload",  # `workload` names the bench itself
-        choices=["mixed", "long-chat"],
+        choices=["mixed", "long-chat", "doc-store"],
         default="mixed",
         help="mixed: four request classes, open loop (default); long-chat: conversations whose history grows "
-        "to 4-7K tokens, each turn sent when the last ends",
+        "to 4-7K tokens, each turn sent when the last ends; doc-store: questions over a store of documents "
+        "with Zipf popularity, a host tier for every system",
     )
-    adaptive.add_argument("--requests", type=int, default=None, help="mixed: requests (default 120; 48 with --quick)")
+    adaptive.add_argument(
+        "--requests", type=int, default=None, help="mixed: requests (default 120; 48 with --quick); doc-store: 96 (64)"
+    )
     adaptive.add_argument("--conversations", type=int, default=None, help="long-chat: conversations (default 8)")
     adaptive.add_argument("--turns", type=int, default=None, help="long-chat: turns per conversation (default 4)")
+    adaptive.add_argument("--documents", type=int, default=None, help="doc-store: documents in the store (default 32)")
+    adaptive.add_argument("--clients", type=int, default=None, help="doc-store: users asking at once (default 2)")
     adaptive.add_argument(
         "--mix", type=floats, default=None, help="class proportions retrieval,chat,short,long (default 0.4,0.3,0.2,0.1)"
     )
@@ -274,7 +279,11 @@ def add_adaptive_parser(workloads) -> None:
         "--rate", type=float, default=None, help="arrivals per second (default: 2x full's service rate, saturating it)"
     )
     adaptive.add_argument(
-        "--budgets", type=floats, default=None, help="fractions of full's peak KV demand the pool holds (0.3,1.0)"
+        "--budgets",
+        type=floats,
+        default=None,
+        help="fractions of full's peak KV demand the pool holds (0.3,1.0); doc-store: of the documents' full KV, "
+        "over the pool and the host tier (0.25)",
     )
     adaptive.add_argument("--repeats", type=int, default=None, help="runs per system and budget (the spread)")
     adaptive.add_argument("--systems", type=names, default=None, help="a subset of the systems (default: all)")
@@ -290,7 +299,7 @@ def add_adaptive_parser(workloads) -> None:
         "--quick",
         action="store_true",
         help="mixed: 48 requests, passages of 1-2K tokens (~15 min); long-chat: histories to 2-3.5K tokens, "
-        "replies of 64-128",
+        "replies of 64-128; doc-store: 64 requests over documents of 800-1200 tokens",
     )
     adaptive.add_argument("--out", type=Path, default=Path("results/adaptive"))
     adaptive.add_argument("--no-resume", action="store_true", help="ignore rows of an interrupted run in --out")
@@ -299,16 +308,25 @@ def add_adaptive_parser(workloads) -> None:
 def _adaptive(args) -> None:
     from kvwise.bench.adaptive import WORKLOADS, AdaptiveBenchConfig, run_adaptive_bench
 
-    spec = WORKLOADS[args.adaptive_workload]()
-    long_chat = args.adaptive_workload == "long-chat"
-    foreign = ("requests", "mix", "needle", "question", "answer_prefix") if long_chat else ("conversations", "turns")
-    given = [flag for flag in foreign if getattr(args, flag) is not None]
+    name = args.adaptive_workload
+    spec = WORKLOADS[name]()
+    own = {
+        "mixed": ("requests", "mix", "needle", "question", "answer_prefix"),
+        "long-chat": ("conversations", "turns"),
+        "doc-store": ("requests", "documents", "clients"),
+    }
+    foreign = {flag for flags in own.values() for flag in flags} - set(own[name])
+    given = [flag for flag in sorted(foreign) if getattr(args, flag) is not None]
     if given:
-        raise SystemExit(f"--{given[0].replace('_', '-')} does not apply to the {args.adaptive_workload} workload")
-    if long_chat:
+        raise SystemExit(f"--{given[0].replace('_', '-')} does not apply to the {name} workload")
+    if name == "long-chat":
         if args.quick:
             spec.history_tokens, spec.reply_tokens = (2000, 3500), (64, 128)
         _override(spec, args, ("conversations", "turns", "seed", "haystack_dir"))
+    elif name == "doc-store":
+        if args.quick:
+            spec.requests, spec.document_tokens = 64, (800, 1200)
+        _override(spec, args, ("requests", "documents", "clients", "seed", "haystack_dir"))
     else:
         if args.quick:
             spec.requests, spec.retrieval_tokens, spec.chat_tokens = 48, (1000, 2000), (1000, 2000)
@@ -316,6 +334,8 @@ def _adaptive(args) -> None:
             spec.proportions = tuple(args.mix)
         _override(spec, args, ("requests", "seed", "haystack_dir", "needle", "question", "answer_prefix"))
     config = AdaptiveBenchConfig(workload=spec, model=args.model)
+    if name == "doc-store":
+        config.budgets = (0.25,)
     _override(config, args, ("systems", "budgets", "rate", "repeats", "quality", "profile"))
     run_adaptive_bench(config, args.out, resume=not args.no_resume)
     _print_report(args.out, "adaptive")

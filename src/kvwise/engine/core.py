@@ -130,7 +130,11 @@ class EngineCore:
     def _controller_admits(self, request: Request) -> None:
         scheduler = self.scheduler
         view = self.kv.controller_view(
-            scheduler.running, self._stalls(), held_back=scheduler.waiting, last_step=self._last_step_timing
+            scheduler.running,
+            self._stalls(),
+            held_back=scheduler.waiting,
+            last_step=self._last_step_timing,
+            admitting=request,
         )
         action = self.controller.admit(request, view)
         if action is not None:

@@ -23,9 +23,14 @@ def controller_view(
     outcomes: Sequence[Outcome] = (),
     held_back: Sequence[Request] = (),
     last_step: LastStep | None = None,
+    admitting: Request | None = None,
 ) -> ControllerView:
     """stalls: the scheduler's (memory stalls, preemptions) so far; held_back: the waiting
-    requests (running ones still prefilling are found in `running`)."""
+    requests (running ones still prefilling are found in `running`); admitting: the request an
+    admission view is for (its document's cached length is peeked at, device and tiers)."""
+    document_cached = 0
+    if admitting is not None and admitting.compress_upto is not None:
+        document_cached = min(kv.cached_length(admitting, tiers=True), admitting.compress_upto)
     return ControllerView(
         usage=kv.usage(),
         free_blocks=kv.free_blocks(),
@@ -46,6 +51,7 @@ def controller_view(
             if request.prefilling
         ),
         last_step=last_step,
+        document_cached_tokens=document_cached,
     )
 
 

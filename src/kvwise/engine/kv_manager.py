@@ -180,12 +180,13 @@ class KVCacheManager:
         return kv_control.execute(self, action)
 
     def controller_view(
-        self, running=(), stalls: tuple[int, int] = (0, 0), outcomes=(), held_back=(), last_step=None
+        self, running=(), stalls: tuple[int, int] = (0, 0), outcomes=(), held_back=(), last_step=None, admitting=None
     ) -> ControllerView:
         """What a controller reads: memory, the scheduler's `stalls` (memory stalls, preemptions),
         the `running` requests, the outcomes of its last actions, the `held_back` (waiting)
-        requests and the engine's `last_step` (`LastStep`)."""
-        return kv_control.controller_view(self, running, stalls, outcomes, held_back, last_step)
+        requests, the engine's `last_step` (`LastStep`) and, for an admission, the request
+        `admitting`."""
+        return kv_control.controller_view(self, running, stalls, outcomes, held_back, last_step, admitting)
 
     def quantization_errors(self) -> dict[str, tuple[float, float]]:
         """Per quantizer spec in use, the mean relative error of (keys, values) it measured."""
@@ -243,11 +244,18 @@ class KVCacheManager:
             self._tiers.retired_secrets = tuple(keys[1:])
 
     # ---- the prefix cache ------------------------------------------------------------------------
-    def cached_length(self, request: Request) -> int:
-        """Prompt tokens cached on the device for `request` (a peek: nothing is touched)."""
+    def cached_length(self, request: Request, tiers: bool = False) -> int:
+        """Prompt tokens cached on the device for `request`, and with `tiers` those the tiers hold
+        after them (a peek: nothing is touched or moved)."""
         if self._tree is None:
             return 0
-        return self._tree.match_prefix(request.prompt[:-1], self.namespace_of(request), touch=False).length
+        namespace = self.namespace_of(request)
+        match = self._tree.match_prefix(request.prompt[:-1], namespace, touch=False)
+        if not tiers or self._tiers is None:
+            return match.length
+        usable = (len(request.prompt) - 1) // self.block_size
+        held = self._tiers.held_blocks(request.prompt, namespace, len(match.nodes), usable)
+        return match.length + held * self.block_size
 
     def match(self, request: Request) -> int:
         """Take the prompt's cached prefix: the device match continued in the tiers, locked for the

@@ -77,6 +77,9 @@ class ControllerView:
     outcomes: tuple[Outcome, ...] = ()  # of the actions answered before the last step
     held_back_tokens: tuple[int, ...] = ()  # KV tokens each waiting or still-prefilling request will hold
     last_step: LastStep | None = None  # the step just run, for a cost model's online correction
+    # an admission of a request with a document (`compress_upto`): its leading tokens up to the
+    # document's end that the prefix cache holds in full, on the device or in the tiers
+    document_cached_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -149,6 +149,22 @@ class PrefixTiers:
             self.stats.hits_tokens[tier_name] += self.block_size
         return promoted
 
+    def held_blocks(self, tokens: Sequence[int], namespace: Namespace, first: int, usable_blocks: int) -> int:
+        """Blocks first.. of `tokens` that some tier holds, up to the first that none does (a peek:
+        nothing is read or moved)."""
+        if not self.tiers or first >= usable_blocks:
+            return 0
+        keys = chain_keys(tokens[: usable_blocks * self.block_size], self.block_size, namespace)[first:]
+        held = 0
+        for key in keys:
+            try:
+                if not any(tier.exists(key) for tier in self.tiers):
+                    break
+            except Exception:  # a tier that cannot answer holds nothing, as on a read
+                break
+            held += 1
+        return held
+
     def _find_run(self, keys: list[bytes], prefix, namespace: Namespace, first: int, lent: ExitStack) -> list:
         """[(tier name, block)] for keys[0..] up to the first that no tier has, each from the
         first tier that has it; blocks lent by a tier stay valid until `lent` closes."""

@@ -58,22 +58,29 @@ def test_a_document_is_compressed_once_when_reused_and_read_compressed_after(lla
     assert (fourth.kv_choice.mix, fourth.kv_choice.reason) == (third.kv_choice.mix, DOCUMENT_COMPRESSED)
     assert fourth.compressed_hit
 
-    assert _ask(core, rare, seed=5).kv_choice.reason == DOCUMENT_NEW
-    other = _ask(core, popular, seed=6, tenant="other")  # another tenant's sightings are its own
+    other = _ask(core, popular, seed=5, tenant="other")  # another tenant's sightings are its own
     assert (other.kv_choice.mix, other.kv_choice.reason) == ("full", DOCUMENT_NEW)
+    # this tenant's one document came back 3 times: a new one is expected back, compressed at once
+    fresh = _ask(core, rare, seed=6)
+    assert fresh.kv_choice.reason == DOCUMENT_REUSED and not fresh.compressed_hit
     counts = controller.decisions.counts
-    assert counts[("choose", DOCUMENT_NEW)] == 3 and counts[("choose", DOCUMENT_REUSED)] == 1
+    assert counts[("choose", DOCUMENT_NEW)] == 2 and counts[("choose", DOCUMENT_REUSED)] == 2
 
 
 def test_compressing_pays_once_the_misses_it_spares_outweigh_its_pass():
-    # a prefill of 3 ms per token; compressing costs 5 ms per token more: worth it from the third
+    # a prefill of 3 ms per token; compressing costs 5 ms per token more: worth it from 2 misses spared
+    assert not worth_compressing(0, 0.003, 0.005)
     assert not worth_compressing(1, 0.003, 0.005)
-    assert not worth_compressing(2, 0.003, 0.005)
-    assert worth_compressing(3, 0.003, 0.005)
-    assert worth_compressing(2, None, 0.005)  # without measured costs: any reused document
+    assert worth_compressing(2, 0.003, 0.005)
+    assert worth_compressing(1, None, 0.005) and not worth_compressing(0.5, None, 0.005)  # no costs: back once
     records = DocumentReuse(capacity=2)
-    assert records.sight("t", [1, 2]).sightings == 1 and records.sight("t", [1, 2]).sightings == 2
-    records.sight("t", [3]), records.sight("t", [4])  # the oldest record goes past the capacity
+    first = records.sight("t", [1, 2])
+    assert (first.sightings, first.expected_reuse) == (1, 0.0)  # nothing known yet
+    again = records.sight("t", [1, 2])
+    assert (again.sightings, again.expected_reuse) == (2, 1)  # its own repeats
+    assert records.sight("t", [3]).expected_reuse == 1.0  # the tenant's mean: 1 repeat per document
+    assert records.sight("u", [3]).expected_reuse == 0.0  # another tenant's history is its own
+    records.sight("t", [4])  # the oldest record goes past the capacity
     assert len(records) == 2 and records.sight("t", [1, 2]).sightings == 1
     with pytest.raises(ValueError, match="capacity"):
         DocumentReuse(capacity=0)

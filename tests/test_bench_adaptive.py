@@ -9,6 +9,7 @@ import json
 
 import pytest
 
+from kvwise.adaptive.controller import DOCUMENT_CACHED, DOCUMENT_COMPRESSED, DOCUMENT_NEW, DOCUMENT_REUSED
 from kvwise.adaptive.probes import calibration_text
 from kvwise.bench.adaptive import AdaptiveBenchConfig, aggregate, markdown, run_adaptive_bench
 from kvwise.bench.adaptive_workload import CLASSES, WorkloadSpec, at_rate, build_workload
@@ -148,6 +149,15 @@ def test_a_doc_store_asks_about_popular_documents_again(smollm):
     assert asked[0] >= 2 * asked[-1] and len(documents) >= 4  # Zipf: a few are asked about again and again
     with pytest.raises(ValueError, match="2 to"):
         DocStoreSpec(documents=1)
+    with pytest.raises(ValueError, match="must contain"):
+        DocStoreSpec(key_sentence="the code is {key}")
+    own = DocStoreSpec(
+        documents=3, document_tokens=(100, 120), requests=4, key_sentence=" The {name} ledger holds {key}. ",
+        question="Which number does the {name} ledger hold?", answer_prefix="The {name} ledger holds",
+    )  # fmt: skip
+    for request in build_doc_store(tokenizer, own):
+        assert f"ledger holds {request.answer}." in tokenizer.decode(request.prompt[: request.document_end])
+        assert "Which number does the" in tokenizer.decode(request.prompt[request.document_end :])
 
 
 @pytest.mark.smollm
@@ -162,8 +172,7 @@ def test_a_small_doc_store_run_end_to_end(tmp_path):
     assert rows["full"]["document_hits"] > 0  # its documents come back from the pool or the host tier
     assert rows["kvzip@0.75+kivi4"]["compressed_requests"] == 16 and rows["kvzip@0.75+kivi4"]["document_hits"] > 0
     reasons = {name.split(":", 1)[1] for name in rows["auto"]["actions"] if name.startswith("choose:")}
-    assert reasons <= {"document: too little reuse yet", "document: held in full", "document: reused, compressed once",
-                       "document: compressed already"} and reasons  # fmt: skip
+    assert reasons and reasons <= {DOCUMENT_NEW, DOCUMENT_CACHED, DOCUMENT_REUSED, DOCUMENT_COMPRESSED}
     table = (tmp_path / "adaptive.md").read_text()
     assert "doc store: 16 questions over 10 documents" in table and "vs full TTFT p50" in table
     with pytest.raises(ValueError, match="leaves no host tier"):

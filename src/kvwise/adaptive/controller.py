@@ -6,9 +6,10 @@ for `auto` gets, for its class (`request_class`):
 - `full` when its prompt is short (nothing worth saving) or memory is to spare: the ladder is down
   and its whole KV (prompt and output) fits the pool's free blocks now;
 - for a request whose prompt opens with a document (`compress_upto`), a form per document, by how
-  often it is asked about (`document_reuse`): full while it is new or held in full, then, once
-  the misses it spares pay for compressing it, the cheapest evicting mix meeting the floor,
-  compressed once and reused by every later request for it;
+  often it is expected to be asked about again (`document_reuse`: its own repeats, or the tenant's
+  mean repeats per document): full while it is held in full or the misses it would spare do not
+  pay for compressing it, else the cheapest evicting mix meeting the floor, compressed once and
+  reused by every later request for it;
 - otherwise the cheapest mix, in bytes, whose profiled quality meets the floor (`Profile.cheapest`),
   among the quantizers the server allows, and, when the pool cannot lend a context pass right now,
   among the mixes that need none.
@@ -155,9 +156,10 @@ class AdaptiveController:
         return Choice(entry.mix, klass, "pressure", entry.quality[klass])
 
     def _choose_document(self, request: Request, klass: str, view: ControllerView) -> Choice:
-        """A document's form, by how often it is asked about: full while it is new or held in full
-        (a prefix-cache hit costs least), compressed once (the cheapest evicting mix meeting the
-        floor) when the misses that spares pay for compressing it; then that mix, every time."""
+        """A document's form, by how often it is expected to be asked about again (its own repeats,
+        or the tenant's mean): full while that is too little or it is held in full (a prefix-cache
+        hit costs least), compressed once (the cheapest evicting mix meeting the floor) when the
+        misses that spares pay for compressing it; then that mix, every time."""
         upto = request.compress_upto
         record = self.documents.sight(request.tenant, request.prompt[:upto])
         if record.mix is not None:  # the same mix finds the compressed copy (its key holds the mix)
@@ -173,7 +175,7 @@ class AdaptiveController:
             lambda e: parse_mix(e.mix).evicts and self._allowed(e) and (pass_fits or not _needs_pass(e.mix)),
         )
         prefill = self.costs.costs.prefill_seconds_per_token if self.costs is not None else None
-        if entry.mix == "full" or not worth_compressing(record.sightings, prefill, entry.extra_seconds_per_token):
+        if entry.mix == "full" or not worth_compressing(record.expected_reuse, prefill, entry.extra_seconds_per_token):
             return Choice("full", klass, DOCUMENT_NEW, 1.0)
         record.mix = entry.mix
         return Choice(entry.mix, klass, DOCUMENT_REUSED, entry.quality[klass])
@@ -412,9 +414,9 @@ class AdaptiveController:
 
 
 NO_GAIN = "no action pays"
-DOCUMENT_NEW = "document: too little reuse yet"
+DOCUMENT_NEW = "document: too little reuse expected"
 DOCUMENT_CACHED = "document: held in full"
-DOCUMENT_REUSED = "document: reused, compressed once"
+DOCUMENT_REUSED = "document: reuse pays, compressed once"
 DOCUMENT_COMPRESSED = "document: compressed already"
 
 

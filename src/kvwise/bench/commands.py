@@ -291,7 +291,9 @@ def add_adaptive_parser(workloads) -> None:
     adaptive.add_argument("--profile", default=None, help="a profile JSON (default: the model's)")
     adaptive.add_argument("--seed", type=int, default=None)
     adaptive.add_argument("--haystack-dir", default=None, help="a folder of .txt files for the passages")
-    adaptive.add_argument("--needle", default=None, help="needle template containing {key}")
+    adaptive.add_argument(
+        "--needle", default=None, help="needle template with {key} (doc-store: the key sentence, with {name} and {key})"
+    )
     adaptive.add_argument("--question", default=None)
     adaptive.add_argument("--answer-prefix", default=None)
     adaptive.add_argument("--model", default=None)
@@ -313,7 +315,7 @@ def _adaptive(args) -> None:
     own = {
         "mixed": ("requests", "mix", "needle", "question", "answer_prefix"),
         "long-chat": ("conversations", "turns"),
-        "doc-store": ("requests", "documents", "clients"),
+        "doc-store": ("requests", "documents", "clients", "needle", "question", "answer_prefix"),
     }
     foreign = {flag for flags in own.values() for flag in flags} - set(own[name])
     given = [flag for flag in sorted(foreign) if getattr(args, flag) is not None]
@@ -326,7 +328,9 @@ def _adaptive(args) -> None:
     elif name == "doc-store":
         if args.quick:
             spec.requests, spec.document_tokens = 64, (800, 1200)
-        _override(spec, args, ("requests", "documents", "clients", "seed", "haystack_dir"))
+        if args.needle is not None:
+            spec.key_sentence = args.needle
+        _override(spec, args, ("requests", "documents", "clients", "seed", "haystack_dir", "question", "answer_prefix"))
     else:
         if args.quick:
             spec.requests, spec.retrieval_tokens, spec.chat_tokens = 48, (1000, 2000), (1000, 2000)

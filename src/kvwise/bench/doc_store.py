@@ -1,8 +1,9 @@
 """The doc-store workload of `kvwise bench adaptive --workload doc-store`: questions over a store of
 documents, most of them about a few popular ones.
 
-Each document is a disjoint slice of the bench text with one key sentence inserted at a random
-place ("The access code for the <name> file is <5 digits>."). Each request asks for one
+Each document is a disjoint slice of the bench text (or `haystack_dir`) with one key sentence
+inserted at a random place ("The access code for the <name> file is <5 digits>.", or the
+spec's `key_sentence`). Each request asks for one
 document's code: its prompt is the document (`compress_upto` ends there, so a system may compress
 it once, query-agnostically, and reuse it), then a question whose wording varies, then the start
 of the answer. Documents are drawn with Zipf popularity, so a few are asked about again and again
@@ -33,7 +34,7 @@ NAMES = (
     "umber", "violet", "willow", "xenon", "yarrow", "zephyr", "alder", "birch", "cobalt", "dune",
     "egret", "flint", "glacier", "heron", "iris", "jasper", "kelp", "lichen", "maple", "nectar",
 )  # fmt: skip
-KEY_SENTENCE = "\nThe access code for the {name} file is {code}.\n"
+KEY_SENTENCE = "\nThe access code for the {name} file is {key}.\n"
 QUESTIONS = (
     "What is the access code for the {name} file?",
     "Which access code does the text give for the {name} file?",
@@ -54,6 +55,10 @@ class DocStoreSpec:
     seed: int = 0
     haystack_dir: str | None = None
     tier_layout: str = "host"  # every system's KV beyond the pool goes to a host tier, within the budget
+    # a held-out run brings its own: the key sentence ({name}, {key}), a question and the answer's start ({name})
+    key_sentence: str = KEY_SENTENCE
+    question: str | None = None  # None: one of QUESTIONS, drawn per request
+    answer_prefix: str = ANSWER_PREFIX
 
     def __post_init__(self):
         if not 2 <= self.documents <= len(NAMES):
@@ -66,6 +71,10 @@ class DocStoreSpec:
             )
         if self.zipf_exponent < 0:
             raise ValueError(f"the Zipf exponent must be >= 0, got {self.zipf_exponent}")
+        if "{name}" not in self.key_sentence or "{key}" not in self.key_sentence:
+            raise ValueError("the doc-store key sentence must contain {name} and {key}")
+        if self.question is not None and "{name}" not in self.question:
+            raise ValueError("the doc-store question must contain {name}")
         if self.tier_layout not in ("host",):
             raise ValueError(f"unknown tier layout {self.tier_layout!r}; doc-store has: host")
 
@@ -98,15 +107,15 @@ def build_doc_store(tokenizer, spec: DocStoreSpec) -> list[WorkloadRequest]:
         cursor += length
         code = str(rng.randint(10000, 99999))
         cut = rng.randint(0, len(body))
-        with_key = body[:cut] + KEY_SENTENCE.format(name=name, code=code) + body[cut:]
+        with_key = body[:cut] + spec.key_sentence.format(name=name, key=code) + body[cut:]
         documents.append(Document(name, code, tokenizer(with_key, add_special_tokens=False).input_ids))
     head, tail = _frame(tokenizer)
     weights = [1.0 / (rank + 1) ** spec.zipf_exponent for rank in range(spec.documents)]
     requests = []
     for index in range(spec.requests):
         document = rng.choices(documents, weights)[0]
-        question = "\n\n" + rng.choice(QUESTIONS).format(name=document.name)
-        after = tokenizer(question + tail + ANSWER_PREFIX.format(name=document.name), add_special_tokens=False)
+        question = "\n\n" + (spec.question or rng.choice(QUESTIONS)).format(name=document.name)
+        after = tokenizer(question + tail + spec.answer_prefix.format(name=document.name), add_special_tokens=False)
         prompt = head + document.ids + after.input_ids
         follows = index - spec.clients if index >= spec.clients else None
         requests.append(

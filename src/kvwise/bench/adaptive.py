@@ -490,39 +490,16 @@ def aggregate(results: list[dict]) -> list[dict]:
 
 def markdown(report: dict) -> str:
     config = report["config"]
-    workload = config["workload"]
     name = report.get("workload_name", "mixed")
-    if name == "doc-store":
-        what = (
-            f"Adaptive KV, doc store: {workload['requests']} questions over {workload['documents']} documents of "
-            f"{workload['document_tokens'][0]}-{workload['document_tokens'][1]} tokens, "
-            f"Zipf {workload['zipf_exponent']}, "
-            f"{workload['clients']} clients, seed {workload['seed']}, haystack "
-            f"{workload['haystack_dir'] or 'built-in essays (bench part)'}, closed loop, a host tier for every system; "
-            f"the documents' full KV is {report['documents_bytes']:,} bytes"
-        )
-    elif name == "long-chat":
-        what = (
-            f"Adaptive KV, long chat: {workload['conversations']} conversations of {workload['turns']} turns, "
-            f"histories to {workload['history_tokens'][0]}-{workload['history_tokens'][1]} tokens, replies of "
-            f"{workload['reply_tokens'][0]}-{workload['reply_tokens'][1]} tokens, seed {workload['seed']}, "
-            f"haystack {workload['haystack_dir'] or 'built-in essays (bench part)'}, closed loop"
-        )
-    else:
-        what = (
-            f"Adaptive KV, {workload['requests']} requests (retrieval/chat/short/long "
-            f"{'/'.join(str(p) for p in workload['proportions'])}), seed {workload['seed']}, "
-            f"haystack {workload['haystack_dir'] or 'built-in essays (bench part)'}, rate {report['rate']:.3f} req/s "
-            f"({report['rate_source']})"
-        )
     budget_basis = (
         "a budget of f is f x the documents' full KV, over the pool and the host tier"
         if name == "doc-store"
         else f"a budget of f gives the pool f of it: the budget is f x peak / {report.get('pool_share', POOL_SHARE)}"
     )
     lines = [
-        f"{what}, peak full-cache demand {report['peak_demand_bytes']:,} bytes ({budget_basis}), "
-        f"auto's floor {config['quality']}, dtype {report.get('dtype', 'float32')}, model={model_label(config)}",
+        f"{_workload_line(report, name)}, peak full-cache demand {report['peak_demand_bytes']:,} bytes "
+        f"({budget_basis}), auto's floor {config['quality']}, dtype {report.get('dtype', 'float32')}, "
+        f"model={model_label(config)}",
         system_line(report["system"]),
         "",
     ]
@@ -577,6 +554,34 @@ def markdown(report: dict) -> str:
             )
         lines.append("")
     return "\n".join(lines)
+
+
+def _workload_line(report: dict, name: str) -> str:
+    """What the workload was, for the report's first line."""
+    workload = report["config"]["workload"]
+    if name == "doc-store":
+        return (
+            f"Adaptive KV, doc store: {workload['requests']} questions over {workload['documents']} documents of "
+            f"{workload['document_tokens'][0]}-{workload['document_tokens'][1]} tokens, "
+            f"Zipf {workload['zipf_exponent']}, "
+            f"{workload['clients']} clients, seed {workload['seed']}, haystack "
+            f"{workload['haystack_dir'] or 'built-in essays (bench part)'}, closed loop, a host tier for every system; "
+            f"the documents' full KV is {report['documents_bytes']:,} bytes"
+        )
+    elif name == "long-chat":
+        return (
+            f"Adaptive KV, long chat: {workload['conversations']} conversations of {workload['turns']} turns, "
+            f"histories to {workload['history_tokens'][0]}-{workload['history_tokens'][1]} tokens, replies of "
+            f"{workload['reply_tokens'][0]}-{workload['reply_tokens'][1]} tokens, seed {workload['seed']}, "
+            f"haystack {workload['haystack_dir'] or 'built-in essays (bench part)'}, closed loop"
+        )
+    else:
+        return (
+            f"Adaptive KV, {workload['requests']} requests (retrieval/chat/short/long "
+            f"{'/'.join(str(p) for p in workload['proportions'])}), seed {workload['seed']}, "
+            f"haystack {workload['haystack_dir'] or 'built-in essays (bench part)'}, rate {report['rate']:.3f} req/s "
+            f"({report['rate_source']})"
+        )
 
 
 def plot(report: dict, path: Path) -> None:

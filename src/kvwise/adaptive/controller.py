@@ -146,8 +146,7 @@ class AdaptiveController:
             return Choice("full", klass, "spare", 1.0)
         # a KVzip pass needs room for the prompt again now; one that cannot borrow its blocks
         # sends the request back to be computed again
-        free_tokens = (view.free_blocks - self._promised) * view.block_size
-        pass_fits = free_tokens >= 2 * (len(request.prompt) + view.block_size)
+        pass_fits = self._pass_fits(request, view)
         entry = self.profile.cheapest(
             klass, self.config.quality, lambda e: self._allowed(e) and (pass_fits or not _needs_pass(e.mix))
         )
@@ -167,8 +166,7 @@ class AdaptiveController:
             return Choice(record.mix, klass, DOCUMENT_COMPRESSED, entry.quality[klass] if entry else None)
         if view.document_cached_tokens + view.block_size > upto:  # all but a partial last block
             return Choice("full", klass, DOCUMENT_CACHED, 1.0)
-        free_tokens = (view.free_blocks - self._promised) * view.block_size
-        pass_fits = free_tokens >= 2 * (len(request.prompt) + view.block_size)
+        pass_fits = self._pass_fits(request, view)
         entry = self.profile.cheapest(
             klass,
             self.config.quality,
@@ -179,6 +177,12 @@ class AdaptiveController:
             return Choice("full", klass, DOCUMENT_NEW, 1.0)
         record.mix = entry.mix
         return Choice(entry.mix, klass, DOCUMENT_REUSED, entry.quality[klass])
+
+    def _pass_fits(self, request: Request, view: ControllerView) -> bool:
+        """Whether a KVzip pass over `request` could borrow its blocks now: it needs room for the
+        prompt again, beside what this step's admissions were promised."""
+        free_tokens = (view.free_blocks - self._promised) * view.block_size
+        return free_tokens >= 2 * (len(request.prompt) + view.block_size)
 
     def _admission_pays(self, request: Request, entry: MixProfile, view: ControllerView) -> Verdict:
         """Whether running `request` with `entry` now, rather than in full once memory frees, gains
@@ -195,15 +199,14 @@ class AdaptiveController:
         if whole * token_bytes <= free:  # it could run in full now (the ladder is up)
             now = held + [Holder("full", round(prompt_bytes))]
             now += _admit(view.held_back_tokens, free - whole * token_bytes, token_bytes)
-        else:  # in full it waits for memory
+            # the gain goes to the first held-back request
+            wait = _wait_steps(view, min(view.held_back_tokens, default=0) * token_bytes, free - whole * token_bytes)
+        else:  # in full it waits for memory: the gain goes to this one
             now = held + _admit(view.held_back_tokens, free, token_bytes)
+            wait = _wait_steps(view, whole * token_bytes, free)
         joining = Holder(_form(entry.mix), round(entry.bytes_fraction * prompt_bytes))
         after = held + [joining] + _admit(view.held_back_tokens, free - needs, token_bytes)
         one_time = entry.extra_seconds_per_token * len(request.prompt)
-        if whole * token_bytes <= free:  # the gain goes to the first held-back request
-            wait = _wait_steps(view, min(view.held_back_tokens, default=0) * token_bytes, free - whole * token_bytes)
-        else:  # to this one
-            wait = _wait_steps(view, whole * token_bytes, free)
         tail = self._slowdown(Holder("full", round(prompt_bytes)), joining) * max(0, request.params.max_tokens - wait)
         return self.costs.verdict(now, after, [], one_time, wait, tail)
 
@@ -285,7 +288,7 @@ class AdaptiveController:
 
     def _slowdown(self, before: Holder, after: Holder) -> float:
         """Seconds a decode step gains when one request goes from `before` to `after` (>= 0)."""
-        return max(0.0, self.costs.step_seconds([after]) - self.costs.step_seconds([before])) / self.costs.scale
+        return max(0.0, self.costs.step_seconds([after]) - self.costs.step_seconds([before]))
 
     def pressure(self, view: ControllerView) -> tuple[float, bool]:
         """(the pool's usage in [0, 1], whether memory held a request back since the last step:

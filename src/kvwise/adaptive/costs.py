@@ -123,7 +123,8 @@ class CostModel:
         """Tokens gained and lost if an action turns the decoding `running` into `after` (the same
         requests, some in a new form) and lets `admitted` held-back requests run now, at a cost of
         `one_time_seconds`, over `horizon_steps` steps of the running requests; `tail_seconds`:
-        the extra step seconds the action still costs after the horizon, all steps together."""
+        the extra step seconds (as `step_seconds` predicts them) the action still costs after the
+        horizon, all steps together."""
         now = self.step_seconds(running)
         then = self.step_seconds(after + admitted)
         if now <= 0 or then <= 0:
@@ -132,6 +133,6 @@ class CostModel:
         rate_then = (len(after) + len(admitted)) / then
         horizon = horizon_steps * now  # seconds until memory frees by itself
         gained = max(0.0, rate_then - rate_now) * horizon
-        lost = rate_now * (one_time_seconds + self.scale * max(0.0, tail_seconds))
+        lost = rate_now * (one_time_seconds + max(0.0, tail_seconds))
         lost += max(0.0, rate_now - rate_then) * horizon
         return Verdict(gained, lost)

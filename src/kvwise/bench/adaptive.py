@@ -9,8 +9,8 @@ quantized blocks) limited by one budget. Workloads (`--workload`, `WORKLOADS`):
   users at once (closed loop); each request's document may be compressed once and reused.
 A budget of f "of peak demand" gives the pool f of the full cache's peak at unlimited memory (the
 budget is that over the pool's share): at 1.0 `full` never waits for memory. In `doc-store` a
-budget of f is f of all its documents' full KV, over the pool and a host tier together, and every
-system gets that host tier: the pool keeps room for the requests running at once
+budget of f is f of the full KV of the documents its requests ask about, over the pool and a host
+tier together, and every system gets that host tier: the pool keeps room for the requests running at once
 (`DOC_STORE_POOL_REQUESTS`), the tier the rest.
 
 Quality is scored per request against the full cache at unlimited memory:
@@ -110,7 +110,7 @@ def run_adaptive_bench(config: AdaptiveBenchConfig, out_dir: Path, resume: bool 
     runs = 2 + len(config.systems) * len(config.budgets) * config.repeats
     bench = _Bench(model, tokenizer, profile, requests, config)
     for fraction in config.budgets if bench.documents_bytes is not None else ():
-        bench.doc_store_layout(round(fraction * bench.documents_bytes))  # too small for the pool: fail now
+        bench.doc_store_layout(bench.doc_store_budget(fraction))  # too small for the pool: fail now
     with open(partial, "a") as sink, tqdm(total=runs * len(requests), desc="adaptive", unit="request") as bar:
 
         def measured(key: str, run):
@@ -135,8 +135,8 @@ def run_adaptive_bench(config: AdaptiveBenchConfig, out_dir: Path, resume: bool 
         peak = reference["peak_kv_bytes"]
         rows = []
         for fraction in config.budgets:
-            if bench.documents_bytes is not None:  # of the documents' full KV, pool and host tier together
-                budget = round(fraction * bench.documents_bytes)
+            if bench.documents_bytes is not None:
+                budget = bench.doc_store_budget(fraction)
             else:  # rounded up, a block over: at 1.0 the pool holds full's peak whatever the rounding
                 budget = max(math.ceil((fraction * peak + bench.block_bytes) / POOL_SHARE), bench.least_budget())
             for system in config.systems:
@@ -186,6 +186,10 @@ class _Bench:
         self._replays: dict[tuple[int, str], float] = {}
         self._engine_nll: dict[tuple[int, str], float] = {}  # (long-chat request, settings) -> NLL of full's reply
 
+    def doc_store_budget(self, fraction: float) -> int:
+        """A doc-store budget: `fraction` of the asked documents' full KV, pool and host tier together."""
+        return round(fraction * self.documents_bytes)
+
     def doc_store_layout(self, budget: int) -> tuple[CacheConfig, int]:
         """A doc-store budget split: the pool holds one longest request per client and
         `DOC_STORE_POOL_REQUESTS` more; the host tier gets the rest."""
@@ -215,9 +219,10 @@ class _Bench:
         tiers = []
         if budget is None:
             cache = CacheConfig(num_blocks=UNLIMITED_BYTES // (self.token_bytes * CacheConfig.block_size))
-        elif self.documents_bytes is not None:  # the workload's tier layout: the same host tier for all
+        elif self.documents_bytes is not None:
             cache, host_bytes = self.doc_store_layout(budget)
-            tiers = [HostTier(host_bytes)]
+            if self.config.workload.tier_layout == "host":  # the workload's tiers: the same for every system
+                tiers = [HostTier(host_bytes)]
         else:
             cache = cache_config_for_budget(self.model, budget, CacheConfig(), self.longest)
             if system == "host-spill":

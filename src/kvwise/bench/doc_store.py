@@ -13,9 +13,9 @@ Closed loop: `clients` users each send their next request when their last one is
 time to first token measures what the store costs, not how fast requests arrive. Every answer
 ignores EOS: each system produces the same number of tokens.
 
-The budget is a fraction of all documents' full KV, over the pool and a host tier together: every
-system in this workload gets the same tiers (`tier_layout`), and the pool keeps room for the
-requests running at once.
+The budget is a fraction of the full KV of the documents asked about (`document_bytes`), over the
+pool and a host tier together: every system in this workload gets the same tiers (`tier_layout`),
+and the pool keeps room for the requests running at once.
 """
 
 from __future__ import annotations

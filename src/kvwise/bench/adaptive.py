@@ -16,11 +16,10 @@ tier together, and every system gets that host tier: the pool keeps room for the
 Quality is scored per request against the full cache at unlimited memory:
 - retrieval: the share of answers holding their key, over the full cache's on the same requests
   (capped at 1 for the class, so a system as accurate as the full cache scores 1);
-- chat: min(1, full's perplexity / this one's) on the full cache's reply, replayed through the
-  library cache with the settings the request ended with (the engine's tests hold the two equal);
-- short and long generation: the fraction of the first 32 tokens equal to the full cache's;
-- long chat: min(1, exp(full's mean NLL of its own reply - this one's)) over the whole reply,
-  scored in the engine under the settings the request ended with (`engine_scoring`);
+- chat, short and long generation, long chat: min(1, full's perplexity / this one's) on the full
+  cache's whole reply, both scored in the engine (`engine_scoring`) under the mixes the request
+  held, each from the token it got it at (a request `auto` quantized or capped mid-run is replayed
+  with the same changes at the same token counts);
 - doc store: as retrieval, the share of answers holding their document's key, over full's.
 
 The rate, unless given, is twice the full cache's service rate at unlimited memory, measured on a
@@ -36,18 +35,16 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import torch
 from tqdm import tqdm
 
-from kvwise.adaptive.probes import AGREEMENT_TOKENS, agreement
 from kvwise.bench.adaptive_workload import WorkloadRequest, WorkloadSpec, at_rate
 from kvwise.bench.doc_store import CLASS as DOC_STORE
 from kvwise.bench.doc_store import DocStoreSpec, document_bytes
-from kvwise.bench.long_chat import CLASS as LONG_CHAT
 from kvwise.bench.long_chat import LongChatSpec
 from kvwise.bench.report_files import model_label, new_report, system_line, write_report
 from kvwise.bench.stats import percentile
 from kvwise.engine.config import CacheConfig
+from kvwise.engine.kv_actions import KVChange
 from kvwise.engine.kv_budget import POOL_SHARE, SWAP_SHARE, cache_config_for_budget, token_bytes
 from kvwise.engine.kv_settings import KVSettings
 from kvwise.engine.sampling import SamplingParams
@@ -183,8 +180,7 @@ class _Bench:
         self.longest = max(len(r.prompt) + r.max_tokens for r in requests)
         doc_store = isinstance(config.workload, DocStoreSpec)
         self.documents_bytes = document_bytes(requests, self.token_bytes) if doc_store else None
-        self._replays: dict[tuple[int, str], float] = {}
-        self._engine_nll: dict[tuple[int, str], float] = {}  # (long-chat request, settings) -> NLL of full's reply
+        self._replayed: dict[tuple[int, tuple], float] = {}  # (request, plan) -> NLL of full's reply
 
     def doc_store_budget(self, fraction: float) -> int:
         """A doc-store budget: `fraction` of the asked documents' full KV, pool and host tier together."""
@@ -254,9 +250,9 @@ class _Bench:
             "action_log": list(controller.decisions.log) if controller else [],
             "requests": [
                 {
-                    "tokens": r.output[:AGREEMENT_TOKENS],
-                    "reply": r.output[:64] if w.klass == "chat" else list(r.output) if w.klass == LONG_CHAT else None,
-                    "nll": _own_nll(r) if w.klass == LONG_CHAT and r.logprobs else None,
+                    "reply": list(r.output) if w.answer is None else None,
+                    "plan": _plan(r),
+                    "compress_upto": r.compress_upto,
                     "answer": self.tokenizer.decode(r.output) if w.answer is not None else None,
                     "document_hit": _document_hit(r, w),
                     "settings": _settings_spec(r.kv),
@@ -267,8 +263,7 @@ class _Bench:
         }
 
     def _request(self, core, system: str, request: WorkloadRequest):
-        logprobs = 0 if request.klass == LONG_CHAT else None  # its reply is scored by its own likelihood
-        params = SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True, logprobs=logprobs)
+        params = SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True)
         mix = None
         if system in FIXED:
             mix = system
@@ -329,7 +324,7 @@ class _Bench:
             if r.answer is not None
         }
         accuracy_full = sum(correct_full.values()) / max(1, len(correct_full))
-        self._score_long_chats(rows, full)
+        self._score_replies(rows, full)
         classes_here = list(dict.fromkeys(request.klass for request in self.requests))
         scored = []
         for row in tqdm(rows, desc="score", unit="run"):
@@ -339,14 +334,9 @@ class _Bench:
                     hit = request.answer in (outcome["answer"] or "")
                     # capped per class, not per request: a system as accurate as full scores 1
                     per_request.append(hit / accuracy_full if accuracy_full else 1.0)
-                elif request.klass == "chat":
-                    per_request.append(self._chat_quality(index, outcome["settings"], full[index]["reply"]))
-                elif request.klass == LONG_CHAT:
-                    own = full[index]["nll"]
-                    nll = self._engine_nll[index, outcome["settings"]] if outcome["settings"] else own
+                else:  # full's reply, under the mixes it held, against under the full cache
+                    nll, own = self._replayed[index, _plan_key(outcome)], self._replayed[index, ()]
                     per_request.append(min(1.0, math.exp(own - nll)))
-                else:
-                    per_request.append(agreement(outcome["tokens"], full[index]["tokens"]))
             classes = {
                 klass: min(1.0, _mean(q for q, r in zip(per_request, self.requests) if r.klass == klass))
                 for klass in classes_here
@@ -373,52 +363,20 @@ class _Bench:
             )
         return scored
 
-    def _score_long_chats(self, rows: list[dict], full: list[dict]) -> None:
-        """Each long-chat reply of the full cache, scored under every setting a system ended a
-        turn with, in the engine: one batch per setting."""
-        from kvwise.bench.engine_scoring import reply_nll
+    def _score_replies(self, rows: list[dict], full: list[dict]) -> None:
+        """Each reply of the full cache without a key to match, scored in the engine under the full
+        cache and under every plan (the mixes held, and from which token) a system's request had."""
+        from kvwise.bench.engine_scoring import ScoredReply, replay_nll
 
-        wanted: dict[str, list[int]] = {}
-        for row in rows:
+        wanted: dict[tuple[int, tuple], ScoredReply] = {}
+        for row in [{"requests": [{"plan": [], "compress_upto": None}] * len(full)}, *rows]:
             for index, outcome in enumerate(row["requests"]):
-                settings = outcome["settings"]
-                if self.requests[index].klass == LONG_CHAT and settings and (index, settings) not in self._engine_nll:
-                    wanted.setdefault(settings, []).append(index)
-        for settings, indices in tqdm(wanted.items(), desc="score long chats", unit="setting"):
-            indices = list(dict.fromkeys(indices))
-            items = [(self.requests[i].prompt, full[i]["reply"]) for i in indices]
-            for index, nll in zip(indices, reply_nll(self.model, self.tokenizer, settings, items)):
-                self._engine_nll[index, settings] = nll
-
-    @torch.no_grad()
-    def _chat_quality(self, index: int, settings: str | None, reply: list[int]) -> float:
-        if settings is None:
-            return 1.0
-        reference = self._nll(index, None, reply)
-        return min(1.0, math.exp(reference - self._nll(index, settings, reply)))
-
-    def _nll(self, index: int, settings: str | None, reply: list[int]) -> float:
-        """Mean negative log-likelihood of `reply` after the request's prompt, under `settings`
-        (a mix spec, None: full), through the library cache."""
-        key = (index, settings or "full")
-        if key not in self._replays:
-            from kvwise.hf.cache import KVWiseCache
-
-            cache = KVWiseCache.for_mix(self.model, settings or "full", self.tokenizer)
-            prompt = torch.tensor([self.requests[index].prompt], device=self.model.device)
-            answer = torch.tensor([reply], device=self.model.device)
-            cache.compress_context(prompt[:, :-1])
-            inputs = torch.cat([prompt[:, -1:], answer[:, :-1]], dim=1)
-            log_probs = torch.log_softmax(
-                self.model(input_ids=inputs, cache=cache, use_cache=True).logits[0].float(), -1
-            )
-            self._replays[key] = -float(log_probs.gather(1, answer[0, :, None]).mean())
-        return self._replays[key]
-
-
-def _own_nll(request) -> float:
-    """Mean negative log-likelihood of a request's own sampled tokens."""
-    return -sum(entry[token] for entry, token in zip(request.logprobs, request.output)) / len(request.output)
+                key = (index, _plan_key(outcome))
+                if self.requests[index].answer is None and key not in self._replayed:
+                    reply = full[index]["reply"]
+                    wanted[key] = ScoredReply(self.requests[index].prompt, reply, key[1], outcome["compress_upto"])
+        scores = replay_nll(self.model, self.tokenizer, list(wanted.values()), progress="score replies")
+        self._replayed.update(zip(wanted, scores))
 
 
 def _document_hit(request, workload: WorkloadRequest) -> bool | None:
@@ -431,6 +389,18 @@ def _document_hit(request, workload: WorkloadRequest) -> bool | None:
 
 def workload_name(spec) -> str:
     return next(name for name, kind in WORKLOADS.items() if isinstance(spec, kind))
+
+
+def _plan(request) -> list[list]:
+    """The mixes a request held and from when, as [[tokens in KV memory, mix, quantized at once]]:
+    its own mix from the start, then each change a controller made (`Request.kv_changes`)."""
+    own = [[0, request.kv.spec, False]] if request.kv is not None and not request.kv_changes else []
+    changes = [c for c in request.kv_changes if c.at > 0 or parse_mix(c.mix).spec != "full"]  # full: the default
+    return own + [[change.at, change.mix, change.quantize_now] for change in changes]
+
+
+def _plan_key(outcome: dict) -> tuple:
+    return tuple(KVChange(*change) for change in outcome["plan"])
 
 
 def _settings_spec(kv: KVSettings | None) -> str | None:

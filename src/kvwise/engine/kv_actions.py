@@ -42,6 +42,17 @@ Action = AssignMix | SpillPrefixes
 
 
 @dataclass(frozen=True)
+class KVChange:
+    """A mix a controller gave a request (`Request.kv_changes`), and when: `at` tokens of it were
+    in KV memory then (0: at admission), so a scorer can make the same change at the same token
+    (`bench/engine_scoring.py`)."""
+
+    at: int
+    mix: str
+    quantize_now: bool = False
+
+
+@dataclass(frozen=True)
 class Outcome:
     """What one action did: bytes held before and freed at once (an eviction frees on the
     request's next step, so 0 here), or the error that stopped it (nothing changed then)."""

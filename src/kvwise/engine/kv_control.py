@@ -7,7 +7,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from kvwise.engine.block_table import Place
-from kvwise.engine.kv_actions import Action, AssignMix, Outcome, SpillPrefixes
+from kvwise.engine.kv_actions import Action, AssignMix, KVChange, Outcome, SpillPrefixes
 from kvwise.engine.kv_settings import resolve
 from kvwise.engine.kv_view import ControllerView, LastStep, RunningRequest
 
@@ -106,4 +106,5 @@ def execute(kv: KVCacheManager, action: Action) -> Outcome:
             kv.assign_settings(request, previous[0])
             request.kv_choice = previous[1]
             return Outcome(action, before, error=str(failed[0][1]))
+    request.kv_changes.append(KVChange(request.computed, action.mix, action.quantize_now))
     return Outcome(action, before, freed_bytes=max(0, before - kv.request_bytes(request)))

@@ -74,6 +74,7 @@ class Request:
     kv_auto: str | None = None
     # the adaptive controller's Choice (mix, class, reason), returned with the response; opaque here
     kv_choice: object | None = None
+    kv_changes: list = field(default_factory=list)  # the controller's mixes for it, in order (`KVChange`)
     kept_score: float | None = None  # fraction of its policy's score its evictions kept (their product)
     turns: int = 0  # chat turns in its prompt, when known (a hint of its class)
     compressed_hit: bool = False  # it found its document compressed already (compress_upto) and reused it
@@ -116,8 +117,12 @@ class Request:
 
     @property
     def compression_point(self) -> int:
-        """The position after the last token its ratio compresses (see `compress_upto`)."""
-        return self.prefill_target if self.compress_upto is None else self.compress_upto
+        """The position after the last token its ratio compresses (see `compress_upto`): its
+        document's end, else where its prompt starts being read as a generation reads its tokens
+        (`decode_from`), else its prefill's end."""
+        if self.compress_upto is not None:
+            return self.compress_upto
+        return self.prefill_target if self.decode_from is None else min(self.decode_from, self.prefill_target)
 
     @property
     def prefilling(self) -> bool:

@@ -56,7 +56,7 @@ FIXED = ("snapkv@0.75", "streaming_llm@0.75", "kvzip@0.9", "kivi4", "kivi2", "kv
 SYSTEMS = ("full", *FIXED, "host-spill", "static", "auto")
 STATIC_TABLE = {"chat": "h2o@0.5", "long_generation": "streaming_llm@0.5", "short": "full"}  # + retrieval: profile's
 SATURATION = 2.0  # the default rate over full's service rate: arrivals outpace it at every budget
-PARTIAL_FORMAT = 2  # budgets give the pool f of the peak
+PARTIAL_FORMAT = 3  # rows log each request's plan (the mixes it held, from which token)
 CLASS_LABELS = {"long_generation": "long gen", "long_chat": "long chat", "doc_store": "doc store"}
 # --workload: its spec, which builds its requests and names its tier layout (`tier_layout`, if any)
 WORKLOADS = {"mixed": WorkloadSpec, "long-chat": LongChatSpec, "doc-store": DocStoreSpec}

@@ -177,3 +177,9 @@ def test_a_small_doc_store_run_end_to_end(tmp_path):
     assert "doc store: 16 questions over 10 documents" in table and "vs full TTFT p50" in table
     with pytest.raises(ValueError, match="leaves no host tier"):
         run_adaptive_bench(AdaptiveBenchConfig(workload=spec, systems=("full",), budgets=(0.01,)), tmp_path / "small")
+
+
+def test_any_kv_mix_runs_as_a_fixed_system_and_a_bad_name_is_refused():
+    assert AdaptiveBenchConfig(systems=("full", "kvzip@0.75+int8", "auto")).systems[1] == "kvzip@0.75+int8"
+    with pytest.raises(ValueError, match=r"unknown systems \['nosuchpolicy@0.5'\].*or any KV mix"):
+        AdaptiveBenchConfig(systems=("full", "nosuchpolicy@0.5"))

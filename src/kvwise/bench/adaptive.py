@@ -77,9 +77,11 @@ class AdaptiveBenchConfig:
     model: str | None = None
 
     def __post_init__(self):
-        unknown = [name for name in self.systems if name not in SYSTEMS]
+        unknown = [name for name in self.systems if name not in SYSTEMS and not _is_mix(name)]
         if unknown:
-            raise ValueError(f"unknown systems {unknown}; choose from: {', '.join(SYSTEMS)}")
+            raise ValueError(
+                f"unknown systems {unknown}; choose from: {', '.join(SYSTEMS)}, or any KV mix (kvzip@0.75+int8)"
+            )
         if any(not 0 < budget <= 4 for budget in self.budgets):
             raise ValueError("--budgets are fractions of peak demand in (0, 4]")
         if self.repeats < 1:
@@ -265,7 +267,7 @@ class _Bench:
     def _request(self, core, system: str, request: WorkloadRequest):
         params = SamplingParams(temperature=0, max_tokens=request.max_tokens, ignore_eos=True)
         mix = None
-        if system in FIXED:
+        if system in FIXED or system not in SYSTEMS:  # a named fixed mix, or any mix spec
             mix = system
         elif system == "static":
             mix = STATIC_TABLE.get(request.klass) or self.static_retrieval()
@@ -389,6 +391,15 @@ def _document_hit(request, workload: WorkloadRequest) -> bool | None:
 
 def workload_name(spec) -> str:
     return next(name for name, kind in WORKLOADS.items() if isinstance(spec, kind))
+
+
+def _is_mix(name: str) -> bool:
+    """Whether `name` is a KV mix spec (`parse_mix`), which runs as a fixed system."""
+    try:
+        parse_mix(name)
+    except ValueError:
+        return False
+    return True
 
 
 def _plan(request) -> list[list]:

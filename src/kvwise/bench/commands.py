@@ -286,7 +286,9 @@ def add_adaptive_parser(workloads) -> None:
         "over the pool and the host tier (0.25)",
     )
     adaptive.add_argument("--repeats", type=int, default=None, help="runs per system and budget (the spread)")
-    adaptive.add_argument("--systems", type=names, default=None, help="a subset of the systems (default: all)")
+    adaptive.add_argument(
+        "--systems", type=names, default=None, help="the named systems (default: all), or any KV mix spec, run fixed"
+    )
     adaptive.add_argument("--quality", type=float, default=None, help="auto's quality floor (default 0.98)")
     adaptive.add_argument("--profile", default=None, help="a profile JSON (default: the model's)")
     adaptive.add_argument("--seed", type=int, default=None)

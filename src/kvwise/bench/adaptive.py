@@ -336,9 +336,11 @@ class _Bench:
                     hit = request.answer in (outcome["answer"] or "")
                     # capped per class, not per request: a system as accurate as full scores 1
                     per_request.append(hit / accuracy_full if accuracy_full else 1.0)
-                else:  # full's reply, under the mixes it held, against under the full cache
-                    nll, own = self._replayed[index, _plan_key(outcome)], self._replayed[index, ()]
+                elif plan := _plan_key(outcome):  # full's reply, under the mixes it held, against under the full cache
+                    nll, own = self._replayed[index, plan], self._replayed[index, ()]
                     per_request.append(min(1.0, math.exp(own - nll)))
+                else:  # it held the full cache throughout: full's reply scores as under full
+                    per_request.append(1.0)
             classes = {
                 klass: min(1.0, _mean(q for q, r in zip(per_request, self.requests) if r.klass == klass))
                 for klass in classes_here
@@ -366,17 +368,23 @@ class _Bench:
         return scored
 
     def _score_replies(self, rows: list[dict], full: list[dict]) -> None:
-        """Each reply of the full cache without a key to match, scored in the engine under the full
-        cache and under every plan (the mixes held, and from which token) a system's request had."""
+        """Each reply of the full cache without a key to match, scored in the engine under every
+        plan (the mixes held, and from which token) a system's request had, and under the full
+        cache (full's own plan, empty) wherever another plan needs it to compare with."""
         from kvwise.bench.engine_scoring import ScoredReply, replay_nll
 
         wanted: dict[tuple[int, tuple], ScoredReply] = {}
-        for row in [{"requests": [{"plan": [], "compress_upto": None}] * len(full)}, *rows]:
+        for row in rows:
             for index, outcome in enumerate(row["requests"]):
-                key = (index, _plan_key(outcome))
-                if self.requests[index].answer is None and key not in self._replayed:
-                    reply = full[index]["reply"]
-                    wanted[key] = ScoredReply(self.requests[index].prompt, reply, key[1], outcome["compress_upto"])
+                plan = _plan_key(outcome)
+                if self.requests[index].answer is not None or not plan:
+                    continue
+                for key, reference in (((index, ()), full[index]), ((index, plan), outcome)):
+                    if key not in self._replayed:
+                        reply = full[index]["reply"]
+                        wanted[key] = ScoredReply(
+                            self.requests[index].prompt, reply, key[1], reference["compress_upto"]
+                        )
         scores = replay_nll(self.model, self.tokenizer, list(wanted.values()), progress="score replies")
         self._replayed.update(zip(wanted, scores))
 

@@ -122,7 +122,7 @@ class Request:
         (`decode_from`), else its prefill's end."""
         if self.compress_upto is not None:
             return self.compress_upto
-        return self.prefill_target if self.decode_from is None else min(self.decode_from, self.prefill_target)
+        return self.prefill_target if self.decode_from is None else self.decode_from  # never past the prompt
 
     @property
     def prefilling(self) -> bool:
